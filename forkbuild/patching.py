@@ -1,0 +1,182 @@
+"""The patch series: unified diffs against upstream files, applied strictly and in memory.
+
+A patch file is a short header (why, which upstream issue, whether forwarded; in the spirit of DEP-3) followed by a
+unified diff whose paths are upstream's repository paths (``src/lightning/...``), so the same file applies to an
+upstream checkout with ``git apply``. Hunks must match their context exactly; a hunk may have moved (an offset), but
+nothing is fuzzy. A patch that does not apply raises :class:`PatchError` naming the patch, the file and the hunk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkbuild.pin import BuildError
+
+SERIES = "series"
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+class PatchError(BuildError):
+    """A patch is malformed or does not apply."""
+
+
+@dataclass
+class Hunk:
+    header: str
+    old_start: int
+    old: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FilePatch:
+    path: str
+    hunks: list[Hunk] = field(default_factory=list)
+
+
+@dataclass
+class Patch:
+    name: str
+    header: str
+    files: list[FilePatch]
+
+
+def _strip_prefix(raw: str) -> str:
+    path = raw.split("\t", 1)[0].strip()
+    return path[2:] if path.startswith(("a/", "b/")) else path
+
+
+def parse(name: str, text: str) -> Patch:
+    """Parse one patch file. Creating, deleting or renaming files is refused: new files are our own modules."""
+    lines = text.splitlines(keepends=True)
+    header: list[str] = []
+    files: list[FilePatch] = []
+    i = 0
+    while i < len(lines) and not lines[i].startswith(("--- ", "diff --git ")):
+        header.append(lines[i])
+        i += 1
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("diff --git ", "index ")):
+            i += 1
+            continue
+        if line.startswith(("new file mode", "deleted file mode", "rename from", "similarity index")):
+            raise PatchError(f"patch {name}: line {i + 1}: patches may only modify upstream files ({line.strip()});"
+                             " put new modules under src/ instead")
+        if line.startswith("--- "):
+            if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
+                raise PatchError(f"patch {name}: line {i + 1}: '---' without a following '+++'")
+            old_path, new_path = _strip_prefix(line[4:]), _strip_prefix(lines[i + 1][4:])
+            if old_path == "/dev/null" or new_path == "/dev/null" or old_path != new_path:
+                raise PatchError(f"patch {name}: line {i + 1}: patches may only modify upstream files in place"
+                                 f" ({old_path} -> {new_path}); put new modules under src/ instead")
+            files.append(FilePatch(new_path))
+            i += 2
+            continue
+        match = _HUNK.match(line)
+        if match is None:
+            if not line.strip():
+                i += 1
+                continue
+            raise PatchError(f"patch {name}: line {i + 1}: unexpected {line.rstrip()!r}")
+        if not files:
+            raise PatchError(f"patch {name}: line {i + 1}: hunk before any file header")
+        old_len = int(match.group(2)) if match.group(2) is not None else 1
+        new_len = int(match.group(4)) if match.group(4) is not None else 1
+        hunk = Hunk(line.strip(), int(match.group(1)))
+        last = ""
+        i += 1
+        while len(hunk.old) < old_len or len(hunk.new) < new_len or (i < len(lines) and lines[i].startswith("\\")):
+            if i >= len(lines):
+                raise PatchError(f"patch {name}: {files[-1].path}: hunk {hunk.header} is truncated")
+            body = lines[i]
+            tag, content = body[:1], body[1:]
+            if tag == "\\":  # "\ No newline at end of file": the line before it has no newline
+                for side in {" ": (hunk.old, hunk.new), "-": (hunk.old,), "+": (hunk.new,)}.get(last, ()):
+                    side[-1] = side[-1].rstrip("\n")
+            elif tag == " " or body in ("\n", "\r\n"):
+                content = content if tag == " " else body
+                hunk.old.append(content)
+                hunk.new.append(content)
+            elif tag == "-":
+                hunk.old.append(content)
+            elif tag == "+":
+                hunk.new.append(content)
+            else:
+                raise PatchError(f"patch {name}: {files[-1].path}: hunk {hunk.header}: bad line {body.rstrip()!r}")
+            last = " " if body in ("\n", "\r\n") else tag
+            i += 1
+        files[-1].hunks.append(hunk)
+    if not files:
+        raise PatchError(f"patch {name}: no diff found")
+    return Patch(name, "".join(header), files)
+
+
+def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int:
+    """Index where ``block`` occurs exactly, nearest to ``expected`` and not before ``floor``; -1 if nowhere."""
+    last = len(lines) - len(block)
+    for distance in range(0, max(last, expected) + 1):
+        for at in (expected - distance, expected + distance):
+            if floor <= at <= last and lines[at : at + len(block)] == block:
+                return at
+    return -1
+
+
+def apply_file(patch: Patch, file_patch: FilePatch, text: str) -> str:
+    """Apply every hunk of ``file_patch`` to ``text``; all or nothing."""
+    lines = text.splitlines(keepends=True)
+    offset = 0
+    floor = 0
+    for number, hunk in enumerate(file_patch.hunks, 1):
+        expected = max(hunk.old_start - 1 + offset, 0) if hunk.old else hunk.old_start + offset
+        at = _find(lines, hunk.old, expected, floor)
+        if at < 0:
+            first = next((ln for ln in hunk.old if ln.strip()), "").rstrip()
+            raise PatchError(
+                f"patch {patch.name} does not apply to {file_patch.path}: hunk #{number} ({hunk.header}) not found"
+                f" (its context starts {first!r}); the upstream file differs from what the patch expects:"
+                f" refresh the patch with `python -m forkbuild tree` and `python -m forkbuild export`"
+            )
+        lines[at : at + len(hunk.old)] = hunk.new
+        offset += len(hunk.new) - len(hunk.old)
+        floor = at + len(hunk.new)
+    return "".join(lines)
+
+
+def read_series(patch_dir: Path) -> list[Path]:
+    """The patch files in the order ``patches/series`` gives (blank lines and ``#`` comments ignored)."""
+    series = patch_dir / SERIES
+    if not series.is_file():
+        return []
+    names = [ln.split("#", 1)[0].strip() for ln in series.read_text(encoding="utf-8").splitlines()]
+    paths = []
+    for name in filter(None, names):
+        path = patch_dir / name
+        if not path.is_file():
+            raise PatchError(f"{series}: lists {name}, which does not exist")
+        paths.append(path)
+    return paths
+
+
+def apply_series(patch_dir: Path, files: dict[str, bytes], prefix: str = "src/") -> list[Patch]:
+    """Apply the series to ``files`` (upstream path without ``prefix`` -> content), in memory, all or nothing.
+
+    Patch paths carry upstream's repository prefix (``src/``); ``files`` is keyed by the path inside the wheel.
+    On any failure ``files`` is left exactly as it was.
+    """
+    staged = dict(files)
+    applied = []
+    for path in read_series(patch_dir):
+        patch = parse(path.name, path.read_text(encoding="utf-8"))
+        for file_patch in patch.files:
+            if not file_patch.path.startswith(prefix):
+                raise PatchError(f"patch {patch.name}: {file_patch.path} is outside {prefix}; only the package is built")
+            key = file_patch.path[len(prefix) :]
+            if key not in staged:
+                raise PatchError(f"patch {patch.name} does not apply to {file_patch.path}: no such upstream file")
+            staged[key] = apply_file(patch, file_patch, staged[key].decode("utf-8")).encode("utf-8")
+        applied.append(patch)
+    files.update(staged)
+    return applied
