@@ -1,0 +1,40 @@
+"""``python -m forkbuild {tree,export,wheel}``: the developer's commands (see devtree and assemble)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from forkbuild import assemble, devtree, upstream
+from forkbuild.pin import BuildError, read_pin
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forkbuild", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    tree = commands.add_parser("tree", help="materialise the patched tree in .tree/ as a git history")
+    tree.add_argument("--force", action="store_true", help="replace an existing .tree/")
+    commands.add_parser("export", help="write .tree/'s commits back into patches/ and src/")
+    wheel = commands.add_parser("wheel", help="build the fork's wheel")
+    wheel.add_argument("-o", "--outdir", type=Path, default=Path("dist"))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "tree":
+            print(f"materialised {devtree.materialise(force=args.force)}")
+        elif args.command == "export":
+            print("series:", *devtree.export(), sep="\n  ")
+        else:
+            pin = read_pin()
+            args.outdir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                print(assemble.write_wheel(pin, upstream.obtain(pin, Path(tmp)), args.outdir))
+    except BuildError as err:
+        print(f"forkbuild: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The patched upstream tree as a git history, and back into the patch series.
+
+``python -m forkbuild tree`` materialises ``.tree/`` (ignored by git) in upstream's repository layout::
+
+    upstream   lightning 2.6.6, exactly the pinned wheel's package (tag ``upstream``)
+    overlay    our own modules from src/ (tag ``overlay``)
+    <patch>    one commit per patch of patches/series, the patch's header as the commit message
+
+Edit and test there (``PYTHONPATH=.tree/src``), committing each change into the commit of the patch it belongs to
+(``git commit --fixup`` + ``git rebase -i --autosquash overlay``) or as a new commit (a new patch: the subject line
+is its file name, the body its header). ``python -m forkbuild export`` then writes every commit after ``overlay``
+back as patches/<subject>.patch and rewrites patches/series; files that upstream does not have are our modules and
+go back to src/. Nobody edits diff files by hand.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from pathlib import Path
+
+from forkbuild import assemble, upstream
+from forkbuild.patching import apply_file, parse, read_series
+from forkbuild.pin import ROOT, BuildError, read_pin
+
+TREE = ROOT / ".tree"
+_IDENTITY = ["-c", "user.name=forkbuild", "-c", "user.email=forkbuild@localhost", "-c", "commit.gpgsign=false"]
+
+
+def _git(tree: Path, *args: str, capture: bool = True) -> str:
+    done = subprocess.run(["git", *_IDENTITY, "-C", str(tree), *args], capture_output=capture, text=True)
+    if done.returncode != 0:
+        raise BuildError(f"git {' '.join(args)} failed in {tree}:\n{done.stderr}")
+    return done.stdout if capture else ""
+
+
+def _commit(tree: Path, message: str) -> None:
+    _git(tree, "add", "-A")
+    _git(tree, "commit", "-q", "--allow-empty", "-m", message)
+
+
+def materialise(tree: Path = TREE, force: bool = False) -> Path:
+    """Write upstream + overlay + one commit per patch into ``tree`` as a fresh git repository."""
+    if tree.exists():
+        if not force:
+            raise BuildError(f"{tree} exists; pass --force to replace it (uncommitted work there is lost)")
+        shutil.rmtree(tree)
+    pin = read_pin()
+    src = tree / "src"
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = upstream.obtain(pin, Path(tmp))
+        with zipfile.ZipFile(wheel) as z:
+            for info in z.infolist():
+                if not info.is_dir() and not info.filename.split("/", 1)[0].endswith(".dist-info"):
+                    target = src / info.filename
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(info))
+    _git(tree.parent, "init", "-q", "-b", "main", str(tree))
+    (tree / ".gitignore").write_text("__pycache__/\n*.pyc\n")
+    _commit(tree, f"upstream: {pin.filename} (sha256 {pin.sha256})")
+    _git(tree, "tag", "upstream")
+    for name, data in assemble.overlay_files().items():
+        target = src / name
+        if target.exists():
+            raise BuildError(f"src/{name} would overwrite an upstream file; change it with a patch instead")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    _commit(tree, "overlay: the fork's own modules (src/)")
+    _git(tree, "tag", "overlay")
+    for path in read_series(assemble.PATCHES):
+        patch = parse(path.name, path.read_text(encoding="utf-8"))
+        for file_patch in patch.files:
+            target = tree / file_patch.path
+            if not target.is_file():
+                raise BuildError(f"patch {patch.name}: {file_patch.path} is not an upstream file")
+            target.write_text(apply_file(patch, file_patch, target.read_text(encoding="utf-8")), encoding="utf-8")
+        stem = path.name[: -len(".patch")] if path.name.endswith(".patch") else path.name
+        _commit(tree, f"{stem}\n\n{patch.header.strip()}\n")
+    return tree
+
+
+def export(tree: Path = TREE) -> list[str]:
+    """Write the tree's commits after ``overlay`` back into patches/ and its new files back into src/."""
+    if not (tree / ".git").exists():
+        raise BuildError(f"{tree} is not a materialised tree; run `python -m forkbuild tree` first")
+    if _git(tree, "status", "--porcelain").strip():
+        raise BuildError(f"{tree} has uncommitted changes; commit them (into the patch they belong to) first")
+    upstream_files = set(_git(tree, "ls-tree", "-r", "--name-only", "upstream").splitlines())
+    head_files = set(_git(tree, "ls-tree", "-r", "--name-only", "HEAD").splitlines())
+    ours = sorted(f for f in head_files - upstream_files if f.startswith("src/"))
+    commits = _git(tree, "rev-list", "--reverse", "overlay..HEAD").split()
+    written: list[str] = []
+    patch_texts: dict[str, str] = {}
+    for commit in commits:
+        subject = _git(tree, "log", "-1", "--format=%s", commit).strip()
+        body = _git(tree, "log", "-1", "--format=%b", commit).strip()
+        name = subject if subject.endswith(".patch") else f"{subject}.patch"
+        if "/" in name or name in patch_texts:
+            raise BuildError(f"commit {commit[:10]}: subject {subject!r} must be a unique file name for its patch")
+        changed = _git(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split()
+        upstream_paths = [p for p in changed if p in upstream_files]
+        if not upstream_paths:
+            continue  # a commit that only touches our own modules: they go back to src/ below
+        diff = _git(tree, "diff", "--no-color", "--no-renames", "--full-index", f"{commit}^", commit, "--", *upstream_paths)
+        patch_texts[name] = f"{body}\n\n{diff}"
+    for stale in read_series(assemble.PATCHES):
+        if stale.name not in patch_texts:
+            stale.unlink()
+    for name, text in patch_texts.items():
+        (assemble.PATCHES / name).write_text(text, encoding="utf-8")
+        written.append(name)
+    (assemble.PATCHES / "series").write_text("".join(f"{name}\n" for name in written), encoding="utf-8")
+    overlay_root = assemble.OVERLAY
+    for name in ours:
+        target = overlay_root / name[len("src/") :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((tree / name).read_bytes())
+    return written

@@ -1,0 +1,182 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""PyTorch's AMP recipe for a :class:`torch.amp.GradScaler`, one training iteration at a time.
+
+The recipe (torch's "Automatic Mixed Precision examples"): ``scaler.scale(loss).backward()``; ``scaler.unscale_(opt)``
+before anything reads gradients; ``scaler.step(opt)`` for every optimizer; ``scaler.update()`` once per iteration, after
+the last step. :class:`GradScalerRecipe` is the one place in Lightning that drives a scaler through it, so the Trainer's
+and Fabric's precision plugins cannot drift apart.
+"""
+
+import inspect
+import operator
+from typing import Any, Optional
+
+import torch
+from lightning_utilities.core.imports import compare_version
+from torch.amp.grad_scaler import OptState
+from torch.optim import SGD, Optimizer
+
+# Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
+_AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` in the current thread."""
+    if device_type == "cpu" and not hasattr(torch, "get_autocast_dtype"):  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+    return torch.is_autocast_enabled(device_type) if hasattr(torch, "get_autocast_dtype") else torch.is_autocast_enabled()
+
+
+def _handles_unscaling_itself(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` unscales by itself, ignoring whether ``GradScaler.unscale_`` already ran.
+
+    Built-in fused optimizers (``fused=True``) honour the scaler's state since torch 2.1: ``GradScaler.step`` passes
+    them ``grad_scale=None`` after ``unscale_``, so they can be unscaled like any other. Only the deprecated protocol of
+    a ``grad_scaler`` keyword in ``step()`` leaves the unscaling to the optimizer.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return "grad_scaler" in inspect.signature(optimizer.step).parameters
+
+
+class GradScalerRecipe:
+    """Drives a :class:`torch.amp.GradScaler` through PyTorch's AMP recipe for one training iteration at a time.
+
+    - :meth:`unscale` is idempotent: it unscales an optimizer's gradients once per step, whoever asks first (clipping,
+      the optimizer step, or the user calling ``scaler.unscale_`` themselves, also through a wrapper of the optimizer).
+    - :meth:`step` steps through the scaler. An optimizer stepped a second time in the same iteration keeps the
+      iteration's scale, and the inf check of its first step still counts for the update.
+    - :meth:`update` applies the iteration's single ``scaler.update()``; it does nothing when no step happened since
+      the last update (gradient accumulation, a skipped ``training_step``).
+
+    Example::
+
+        recipe = GradScalerRecipe(torch.amp.GradScaler("cpu"))
+        recipe.scale(loss).backward()
+        recipe.unscale(optimizer)  # before clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        recipe.step(optimizer)
+        recipe.update()  # once per iteration, after the last step
+
+    .. warning::
+        It reads the scaler's per-optimizer state (``GradScaler._per_optimizer_states``), which has kept its shape
+        since torch 1.6; it is the only way to know what the user already did through the scaler.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._update_pending = False
+        self._spent_states = 0
+
+    @property
+    def update_pending(self) -> bool:
+        """Whether an optimizer stepped since the last :meth:`update`."""
+        return self._update_pending
+
+    def scale(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(tensor)
+
+    def _stage(self, optimizer: Any) -> Optional[OptState]:
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return None if state is None else state["stage"]
+
+    def unscale(self, optimizer: Optimizer, aliases: tuple[Any, ...] = (), required: bool = True) -> None:
+        """Unscale ``optimizer``'s gradients unless that already happened since its last step.
+
+        Args:
+            optimizer: the ``torch.optim`` optimizer whose gradients to unscale.
+            aliases: wrappers of ``optimizer`` (such as a ``LightningOptimizer``) that the user may have passed to
+                ``scaler.unscale_`` themselves; the scaler keeps its state by object identity.
+            required: whether the caller needs true gradients (clipping). An optimizer that unscales inside its own
+                ``step()`` then raises, since its gradients cannot be unscaled before the step without being unscaled
+                twice.
+
+        """
+        if not self.scaler.is_enabled():
+            return
+        if _handles_unscaling_itself(optimizer):
+            if required:
+                raise RuntimeError(
+                    f"The optimizer {type(optimizer).__qualname__} unscales gradients inside its own `step()` (it takes"
+                    " a `grad_scaler` argument), so its gradients stay multiplied by the loss scale until then and"
+                    " cannot be clipped or inspected before the step without being unscaled twice. Use an optimizer"
+                    " that follows torch's `grad_scale`/`found_inf` protocol (any built-in `fused=True` optimizer),"
+                    " or do not clip gradients with this one."
+                )
+            return
+        self._adopt_state(optimizer, aliases)
+        if self._stage(optimizer) in (None, OptState.READY):
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Optimizer, aliases: tuple[Any, ...] = (), **kwargs: Any) -> Any:
+        """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN."""
+        if not self.scaler.is_enabled():
+            return optimizer.step(**kwargs)
+        self._adopt_state(optimizer, aliases)
+        _protect_fused_sgd_momentum(optimizer)
+        output = self.scaler.step(optimizer, **kwargs)
+        self._update_pending = True
+        return output
+
+    def _adopt_state(self, optimizer: Optimizer, aliases: tuple[Any, ...]) -> None:
+        """Make the scaler's state for ``optimizer`` reflect this step, whatever the user did through ``aliases``."""
+        states = self.scaler._per_optimizer_states
+        for alias in aliases:
+            alias_state = states.get(id(alias))
+            if alias_state is None or alias_state["stage"] is OptState.READY:
+                continue
+            if self._stage(optimizer) in (None, OptState.READY):
+                # the user unscaled through the wrapper: that state belongs to the optimizer it wraps
+                states[id(optimizer)] = states.pop(id(alias))
+            else:
+                del states[id(alias)]
+        if self._stage(optimizer) is OptState.STEPPED:
+            # a second step of this optimizer in one iteration: keep the first step's inf check for the update
+            self._spent_states += 1
+            states[-self._spent_states] = states.pop(id(optimizer))
+
+    def update(self) -> None:
+        """The iteration's one ``scaler.update()``, if an optimizer stepped since the last one."""
+        if self._update_pending:
+            self.scaler.update()
+            self._update_pending = False
+            self._spent_states = 0
+
+
+def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
+    """Give fused SGD's momentum buffers a defined value before a step the scaler may skip.
+
+    ``SGD(fused=True)`` allocates its momentum buffers uninitialised on its first step and lets the kernel fill them;
+    when the scaler skips that step (inf/NaN, the usual start of fp16 training) they stay garbage and the weights blow
+    up on the next step. Zero buffers give exactly for-loop SGD's first step when ``dampening == 0``
+    (``0 * momentum + grad == grad``), so they are created here; with dampening they would not, so that raises.
+    """
+    if not isinstance(optimizer, SGD) or not optimizer.defaults.get("fused"):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        missing = [p for p in group["params"] if p.grad is not None and "momentum_buffer" not in optimizer.state[p]]
+        if not missing:
+            continue
+        if group["dampening"] != 0:
+            raise ValueError(
+                f"`SGD(fused=True, momentum={group['momentum']}, dampening={group['dampening']})` cannot be used with"
+                " a gradient scaler: when the scaler skips its first step (inf/NaN gradients, normal at the start of"
+                " fp16 training) torch leaves its momentum buffers uninitialised and the weights blow up. Use"
+                " `fused=False`, `dampening=0`, or `precision='bf16-mixed'`."
+            )
+        for p in missing:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
