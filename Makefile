@@ -1,0 +1,45 @@
+# The fork's commands. `make demo` and `make test` work on a fresh clone: they create .venv themselves.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Always this torch: a plain `pip install torch` pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup install test demo bench tree export wheel clean
+
+$(VENV)/.deps: requirements/test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)" -r requirements/test.txt
+	$(PY) -m pip install --quiet .
+	touch $@
+
+## setup: the virtual environment with torch, the test tools and the fork built from this checkout
+setup: $(VENV)/.deps install
+
+install: $(VENV)/.deps
+	$(PY) -m pip install --quiet --force-reinstall --no-deps .
+	$(PY) -m pip check
+
+## test: every test of the repository, against the fork as installed from this checkout
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic
+demo: setup
+	$(PY) -m pip install --quiet -r requirements/demo.txt
+	$(PY) examples/amp_demo.py
+
+## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
+tree:
+	$(PYTHON) -m forkbuild tree --force
+
+export:
+	$(PYTHON) -m forkbuild export
+
+## wheel: build dist/lightning-<version>+<label>-py3-none-any.whl
+wheel:
+	$(PYTHON) -m forkbuild wheel -o dist
+
+clean:
+	rm -rf $(VENV) dist .tree
