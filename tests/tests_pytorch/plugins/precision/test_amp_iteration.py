@@ -75,3 +75,29 @@ def test_state_dict_applies_a_pending_update():
     assert not plugin._recipe.update_pending
     plugin.training_iteration_end()  # nothing left to apply: no second update
     assert plugin.scaler.get_scale() == 2.0**5
+
+
+def test_user_update_is_not_applied_twice():
+    """A user following PyTorch's recipe to the letter calls ``scaler.update()`` themselves."""
+
+    class UpdatesItself(TwoStepsPerBatch):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(self.layer(batch).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            self.trainer.precision_plugin.scaler.update()
+
+    record = RecordScale()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[_plugin()],
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(UpdatesItself())
+    assert record.scales == [2.0**5, 2.0**6, 2.0**7]

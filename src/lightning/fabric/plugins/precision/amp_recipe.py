@@ -148,11 +148,17 @@ class GradScalerRecipe:
             states[-self._spent_states] = states.pop(id(optimizer))
 
     def update(self) -> None:
-        """The iteration's one ``scaler.update()``, if an optimizer stepped since the last one."""
-        if self._update_pending:
+        """The iteration's one ``scaler.update()``, if an optimizer stepped since the last one.
+
+        A user who follows PyTorch's recipe to the letter and calls ``scaler.update()`` themselves has already applied
+        it (the scaler then holds no stepped optimizer); it is not applied twice.
+        """
+        if self._update_pending and any(
+            state["stage"] is OptState.STEPPED for state in self.scaler._per_optimizer_states.values()
+        ):
             self.scaler.update()
-            self._update_pending = False
-            self._spent_states = 0
+        self._update_pending = False
+        self._spent_states = 0
 
 
 def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
