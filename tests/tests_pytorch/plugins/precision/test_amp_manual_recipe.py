@@ -1,0 +1,757 @@
+"""Manual (and automatic) optimization under mixed precision behaves exactly like PyTorch's AMP recipe.
+
+Each cell of the matrix ``mode x case x precision x optimizer`` trains the same tiny model on the same batches through
+the Trainer and through a hand-written PyTorch AMP loop and requires the runs to be identical: every parameter bitwise,
+the loss-scale trajectory, and which batches left the parameters untouched (skipped steps). See
+``tests_pytorch/helpers/amp_recipe.py`` for the machinery and for why bitwise equality is the right bar.
+
+``test_stock_lightning_fails_the_recipe`` is the negative control: the unpatched ``pytorch_lightning`` 2.6.6 runs the
+same cells and must fail them, in the way recorded there.
+"""
+
+import copy
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests_pytorch.helpers.amp_recipe import (
+    AUTOCAST_CACHE,
+    CLIP_NORM,
+    CLIP_VALUE,
+    GAN,
+    INIT_SCALE,
+    MIXED_PRECISIONS,
+    N_BATCHES,
+    OPTIMIZERS,
+    PRECISIONS,
+    NestedAutocastNet,
+    RecipeRun,
+    RunResult,
+    TeacherStudent,
+    assert_recipe_is_sharp,
+    assert_same_run,
+    autocast_dtype,
+    fit_lightning,
+    fresh_autocast_forward,
+    inject_inf,
+    lightning_api,
+    make_batches,
+    make_optimizer,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    optimizer_params,
+    trainable,
+)
+
+FORK = "lightning"
+STOCK = "pytorch_lightning"
+
+# --------------------------------------------------------------------------------------------------------------------
+# networks and optimizers per case
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _mlp(precision: str) -> nn.Module:
+    return mlp()
+
+
+def _one_optimizer(net: nn.Module, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, trainable(net))]
+
+
+def _two_optimizers(net: nn.Sequential, name: str) -> list[torch.optim.Optimizer]:
+    # first layer and last layer, fed by one loss and one backward
+    return [make_optimizer(name, net[0].parameters()), make_optimizer(name, net[2].parameters())]
+
+
+def _gan_optimizers(net: GAN, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, net.disc.parameters()), make_optimizer(name, net.gen.parameters())]
+
+
+def _nested_net(precision: str) -> nn.Module:
+    outer = autocast_dtype(precision)
+    other = torch.float16 if outer == torch.bfloat16 else torch.bfloat16
+    return NestedAutocastNet(outer, other)
+
+
+def _clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) -> None:
+    """Clip like ``clip_gradients`` does: over the optimizer's parameters in ``param_groups`` order; remember the
+    pre-clip size so that the cell can prove that clipping really happened."""
+    params = optimizer_params(opt)
+    if algorithm == "norm":
+        rc.records.append(("norm", torch.nn.utils.clip_grad_norm_(params, CLIP_NORM).item()))
+    else:
+        rc.records.append(("value", max(p.grad.abs().max().item() for p in params)))
+        torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
+
+
+def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
+    sizes = [size for kind, size in rc.records]
+    limit = CLIP_NORM if rc.records[0][0] == "norm" else CLIP_VALUE
+    assert any(math.isfinite(s) and s > limit for s in sizes), f"clipping never clipped: {sizes}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the recipe side: hand-written PyTorch AMP loops
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def recipe_plain(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def recipe_clip(algorithm: str) -> Callable:
+    def recipe(rc: RecipeRun, opts: list) -> None:
+        (opt,) = opts
+        for i, (x, y) in rc.batches():
+            opt.zero_grad()
+            with rc.autocast():
+                loss = rc.inject(mlp_loss(rc.net, x, y), i)
+            rc.scaler.scale(loss).backward()
+            rc.scaler.unscale_(opt)
+            _clip_reference(rc, opt, algorithm)
+            rc.scaler.step(opt)
+            rc.scaler.update()
+
+    return recipe
+
+
+def recipe_accumulate(rc: RecipeRun, opts: list) -> None:
+    # a step every 2nd batch on the sum of two halved losses; no update() in batches without a step
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        if i % 2 == 0:
+            opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i) / 2
+        rc.scaler.scale(loss).backward()
+        if i % 2 == 1:
+            rc.scaler.step(opt)
+            rc.scaler.update()
+
+
+def recipe_two_optimizers(rc: RecipeRun, opts: list) -> None:
+    # one backward feeds both optimizers: both are unscaled with the scale that scaled the loss, one update at the end
+    opt_a, opt_b = opts
+    for i, (x, y) in rc.batches():
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt_a)
+        rc.scaler.step(opt_b)
+        rc.scaler.update()
+
+
+def _chunks(x: torch.Tensor, y: torch.Tensor, n: int):
+    size = len(x) // n
+    return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n)]
+
+
+def recipe_multi_step(rc: RecipeRun, opts: list, inner_steps: int = 2) -> None:
+    """``inner_steps`` steps of one optimizer per batch (on chunks of the batch), one scale update per batch.
+
+    The contract is: all inner steps use the same scale, and one update at the end of the batch backs the scale off if
+    any step found an inf. ``GradScaler``'s public API cannot express this (it refuses a second ``step()`` of an
+    optimizer before ``update()``), so this reference is written with the primitives ``GradScaler`` itself is made of:
+    multiply the loss by the scale (``scale``), ``torch._amp_foreach_non_finite_check_and_unscale_`` (``unscale_``),
+    no ``optimizer.step()`` when it found an inf (``step``), ``torch._amp_update_scale_`` with the summed found-inf
+    flags (``update``), with ``GradScaler``'s defaults (growth 2, back-off 0.5) and ``growth_interval=1``.
+    ``test_multi_step_reference_is_gradscaler_for_one_step`` checks it against ``GradScaler`` for one inner step.
+
+    """
+    (opt,) = opts
+    if not rc.scaler.is_enabled():
+        for i, (x, y) in rc.batches():
+            for xk, yk in _chunks(x, y, inner_steps):
+                opt.zero_grad()
+                with rc.autocast():
+                    loss = mlp_loss(rc.net, xk, yk)
+                loss.backward()
+                opt.step()
+        return
+
+    scale = torch.full((), INIT_SCALE, dtype=torch.float32)
+    growth_tracker = torch.zeros((), dtype=torch.int32)
+    rc.get_scale = lambda: scale.item()
+    for i, (x, y) in rc.batches():
+        found_inf_sum = torch.zeros(())
+        for k, (xk, yk) in enumerate(_chunks(x, y, inner_steps)):
+            opt.zero_grad()
+            with rc.autocast():
+                loss = mlp_loss(rc.net, xk, yk)
+                if k == 0:
+                    loss = rc.inject(loss, i)
+            (loss * scale).backward()
+            found_inf = torch.zeros(())
+            grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
+            # GradScaler.unscale_ computes the inverse scale in double precision
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.double().reciprocal().float())
+            if found_inf.item() == 0:
+                opt.step()
+            found_inf_sum += found_inf
+        torch._amp_update_scale_(scale, growth_tracker, found_inf_sum, 2.0, 0.5, 1)
+
+
+def recipe_gan(rc: RecipeRun, opts: list) -> None:
+    # D step, then G's loss through the updated D, G step, one update: both losses scaled with the same scale
+    opt_d, opt_g = opts
+    net = rc.net
+    for i, (real, noise) in rc.batches():
+        opt_d.zero_grad()
+        with rc.autocast():
+            fake = net.gen(noise)
+            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+            loss_d = rc.inject(loss_d, i)
+        rc.scaler.scale(loss_d).backward()
+        rc.scaler.step(opt_d)
+        opt_d.zero_grad()
+        with rc.autocast():
+            loss_g = F.mse_loss(net.disc(fake), torch.ones(4, 1))
+        opt_g.zero_grad()
+        rc.scaler.scale(loss_g).backward()
+        rc.scaler.step(opt_g)
+        rc.scaler.update()
+
+
+def _teacher_student_loss(net: TeacherStudent, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        target = net.teacher(x)
+        # a no_grad pass through the student's own (grad-requiring) weights too: with autocast's weight cache on, this
+        # is where a cast without autograd history could get cached and then reused by the forward below
+        net.student(x)
+    out = net.student(x)
+    return F.mse_loss(out, y) + F.mse_loss(out, target)
+
+
+def recipe_teacher(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(_teacher_student_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+        rc.net.update_teacher()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the Lightning side: training_step bodies (``self`` is the LightningModule)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def manual_plain(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    opt.step()
+
+
+def manual_clip(algorithm: str) -> Callable:
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+        self.manual_backward(loss)
+        clip_val = CLIP_NORM if algorithm == "norm" else CLIP_VALUE
+        self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        opt.step()
+
+    return training_step
+
+
+def manual_accumulate(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    if batch_idx % 2 == 0:
+        opt.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at) / 2
+    self.manual_backward(loss)
+    if batch_idx % 2 == 1:
+        opt.step()
+
+
+def manual_two_optimizers(self, batch, batch_idx):
+    opt_a, opt_b = self.optimizers()
+    x, y = batch
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    opt_a.step()
+    opt_b.step()
+
+
+def manual_multi_step(self, batch, batch_idx):
+    opt = self.optimizers()
+    for k, (xk, yk) in enumerate(_chunks(*batch, 2)):
+        opt.zero_grad()
+        loss = mlp_loss(self.net, xk, yk)
+        if k == 0:
+            loss = inject_inf(loss, batch_idx, self.inf_at)
+        self.manual_backward(loss)
+        opt.step()
+
+
+def manual_gan(self, batch, batch_idx):
+    opt_d, opt_g = self.optimizers()
+    real, noise = batch
+    net = self.net
+    fake = net.gen(noise)
+    loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+    loss_d = inject_inf(loss_d, batch_idx, self.inf_at)
+    opt_d.zero_grad()
+    self.manual_backward(loss_d)
+    opt_d.step()
+    opt_d.zero_grad()
+    loss_g = F.mse_loss(net.disc(fake), torch.ones(4, 1))  # through the updated discriminator
+    opt_g.zero_grad()
+    self.manual_backward(loss_g)
+    opt_g.step()
+
+
+def manual_teacher(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    loss = inject_inf(_teacher_student_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    opt.step()
+    self.net.update_teacher()
+
+
+def manual_closure(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+
+    def closure():
+        out = self.net(x)
+        self.records.append(out.dtype)  # the closure's forward must run under autocast
+        loss = inject_inf(F.mse_loss(out, y), batch_idx, self.inf_at)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        return loss
+
+    opt.step(closure=closure)
+
+
+def manual_user_unscale(raw: bool) -> Callable:
+    # the PyTorch recipe written by the user: unscale_ themselves, clip with torch, then step
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+        self.manual_backward(loss)
+        scaler = self.trainer.precision_plugin.scaler
+        scaler.unscale_(opt.optimizer if raw else opt)
+        torch.nn.utils.clip_grad_norm_(optimizer_params(opt), CLIP_NORM)
+        opt.step()
+
+    return training_step
+
+
+def manual_step_then_forward(self, batch, batch_idx):
+    # the forward after opt.step() must see the updated weights (a stale autocast weight cache would not)
+    manual_plain(self, batch, batch_idx)
+    x, _ = batch
+    out = self.net(x)
+    expected = fresh_autocast_forward(self.net, x, self.amp_dtype)
+    self.records.append(torch.equal(out, expected))
+
+
+def auto_plain(self, batch, batch_idx):
+    x, y = batch
+    return inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the matrix
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _closure_ran_under_autocast(records: list, precision: str) -> None:
+    assert records == [autocast_dtype(precision) or torch.float32] * len(records)
+    assert records
+
+
+def _saw_updated_weights(records: list, precision: str) -> None:
+    assert records == [True] * N_BATCHES, f"a forward after opt.step() computed with stale weights: {records}"
+
+
+def _nested_dtypes(net: NestedAutocastNet) -> Callable:
+    def check(records: list, precision: str) -> None:
+        assert net.seen_dtypes == [torch.float32, net.other]
+
+    return check
+
+
+@dataclass(frozen=True)
+class Case:
+    manual: Callable  # training_step body in manual optimization
+    recipe: Callable  # (RecipeRun, optimizers) -> None
+    net: Callable[[str], nn.Module] = _mlp
+    configure: Callable = _one_optimizer
+    #: Trainer kwargs of the automatic-optimization cell (training_step ``auto_plain``); None: manual only
+    automatic: Optional[dict] = None
+    precisions: tuple = PRECISIONS
+    optimizers: tuple = OPTIMIZERS
+    #: checks of what the Lightning run recorded, ``(records, precision)``
+    check_records: Optional[Callable] = None
+    check_recipe: Optional[Callable] = None
+
+
+CASES = {
+    "plain": Case(manual_plain, recipe_plain, automatic={}),
+    "clip_norm": Case(
+        manual_clip("norm"),
+        recipe_clip("norm"),
+        automatic={"gradient_clip_val": CLIP_NORM, "gradient_clip_algorithm": "norm"},
+        check_recipe=_assert_clipping_happened,
+    ),
+    "clip_value": Case(
+        manual_clip("value"),
+        recipe_clip("value"),
+        automatic={"gradient_clip_val": CLIP_VALUE, "gradient_clip_algorithm": "value"},
+        check_recipe=_assert_clipping_happened,
+    ),
+    "accumulate": Case(manual_accumulate, recipe_accumulate, automatic={"accumulate_grad_batches": 2}),
+    "two_optimizers": Case(manual_two_optimizers, recipe_two_optimizers, configure=_two_optimizers),
+    "multi_step": Case(manual_multi_step, recipe_multi_step),
+    "gan": Case(manual_gan, recipe_gan, net=lambda precision: GAN(), configure=_gan_optimizers),
+    "no_grad_teacher": Case(manual_teacher, recipe_teacher, net=lambda precision: TeacherStudent()),
+    "closure": Case(manual_closure, recipe_plain, check_records=_closure_ran_under_autocast),
+    "user_unscale_lightning_optimizer": Case(
+        manual_user_unscale(raw=False),
+        recipe_clip("norm"),
+        precisions=("16-mixed",),
+        check_recipe=_assert_clipping_happened,
+    ),
+    "user_unscale_raw_optimizer": Case(
+        manual_user_unscale(raw=True),
+        recipe_clip("norm"),
+        precisions=("16-mixed",),
+        check_recipe=_assert_clipping_happened,
+    ),
+    "nested_autocast": Case(manual_plain, recipe_plain, net=_nested_net, precisions=MIXED_PRECISIONS),
+    "step_then_forward": Case(manual_step_then_forward, recipe_plain, check_records=_saw_updated_weights),
+}
+
+
+def check_equivalence(package: str, mode: str, case_name: str, precision: str, optimizer: str) -> None:
+    case = CASES[case_name]
+    net = case.net(precision)
+    configure = functools.partial(case.configure, name=optimizer)
+
+    recipe_net = copy.deepcopy(net)
+    rc = RecipeRun(recipe_net, precision)
+    case.recipe(rc, configure(recipe_net))
+    expected = rc.result()
+    assert_recipe_is_sharp(expected, precision)
+    if case.check_recipe:
+        case.check_recipe(expected, precision)
+
+    lightning_net = copy.deepcopy(net)
+    if mode == "manual":
+        actual = fit_lightning(package, precision, lightning_net, configure, case.manual)
+    else:
+        actual = fit_lightning(package, precision, lightning_net, configure, auto_plain, automatic=True, **case.automatic)
+    if case.check_records:
+        case.check_records(actual.records, precision)
+    if isinstance(net, NestedAutocastNet):
+        assert lightning_net.seen_dtypes == [torch.float32, lightning_net.other]
+    assert_same_run(actual, expected)
+
+
+def _cells() -> list:
+    cells = []
+    for name, case in CASES.items():
+        modes = ("manual", "automatic") if case.automatic is not None else ("manual",)
+        for mode in modes:
+            for precision in case.precisions:
+                for optimizer in case.optimizers:
+                    cells.append(f"{mode}:{name}:{precision}:{optimizer}")
+    return cells
+
+
+MATRIX = _cells()
+
+
+@pytest.mark.parametrize("cell", MATRIX)
+def test_matches_the_pytorch_amp_recipe(cell):
+    check_equivalence(FORK, *cell.split(":"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autocast is off in backward, clipping, the optimizer step and scaler bookkeeping
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu")
+
+
+class _RecordingSGD(torch.optim.SGD):
+    def __init__(self, params, records: list) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.records = records
+
+    def step(self, closure=None):
+        self.records.append(("optimizer.step", _autocast_on()))
+        return super().step(closure)
+
+
+class _RecordingScaler(torch.amp.GradScaler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: list = []
+
+    def scale(self, outputs):
+        self.records.append(("scaler.scale", _autocast_on()))
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer):
+        self.records.append(("scaler.unscale_", _autocast_on()))
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):
+        self.records.append(("scaler.step", _autocast_on()))
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None):
+        self.records.append(("scaler.update", _autocast_on()))
+        return super().update(new_scale)
+
+
+def check_autocast_off(package: str, precision: str) -> None:
+    api = lightning_api(package)
+    records: list = []
+
+    class Module(api.RecipeModule):
+        def on_before_backward(self, loss):
+            records.append(("on_before_backward", _autocast_on()))
+
+        def on_after_backward(self):
+            records.append(("on_after_backward", _autocast_on()))
+
+        def on_before_optimizer_step(self, optimizer):
+            records.append(("on_before_optimizer_step", _autocast_on()))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        records.append(("training_step", _autocast_on()))
+        out = self.net(x)
+        out.register_hook(lambda grad: records.append(("backward", _autocast_on())))
+        loss = inject_inf(F.mse_loss(out, y), batch_idx, self.inf_at)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+        opt.step()
+        records.append(("training_step", _autocast_on()))
+
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(*args, **kwargs):
+        records.append(("clip_grad_norm_", _autocast_on()))
+        return clip(*args, **kwargs)
+
+    scaler = new_scaler(_RecordingScaler) if precision == "16-mixed" else None
+    net = mlp()
+    expected_net = copy.deepcopy(net)
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", recording_clip), mock.patch.object(
+        torch.nn.utils.clip_grad, "clip_grad_norm_", recording_clip
+    ):
+        actual = fit_lightning(
+            package,
+            precision,
+            net,
+            lambda net: [_RecordingSGD(net.parameters(), records)],
+            training_step,
+            module_cls=Module,
+            scaler=scaler,
+        )
+    if scaler is not None:
+        records += scaler.records
+    seen = {}
+    for where, enabled in records:
+        seen.setdefault(where, set()).add(enabled)
+    expected_places = {
+        "training_step",
+        "backward",
+        "on_before_backward",
+        "on_after_backward",
+        "clip_grad_norm_",
+        "on_before_optimizer_step",
+        "optimizer.step",
+    }
+    if scaler is not None:
+        expected_places |= {"scaler.scale", "scaler.unscale_", "scaler.step", "scaler.update"}
+    assert expected_places <= seen.keys(), f"never observed: {expected_places - seen.keys()}"
+    assert seen.pop("training_step") == {True}, "the training_step body must run under autocast"
+    under_autocast = sorted(where for where, states in seen.items() if True in states)
+    assert not under_autocast, f"ran under autocast: {under_autocast}"
+
+    # and the run is still the recipe's
+    rc = RecipeRun(expected_net, precision)
+    recipe_clip("norm")(rc, [make_optimizer("SGD", expected_net.parameters())])
+    assert_same_run(actual, rc.result())
+
+
+@pytest.mark.parametrize("precision", MIXED_PRECISIONS)
+def test_autocast_off_in_backward_clipping_and_step(precision):
+    check_autocast_off(FORK, precision)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# misuse
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def manual_plain_backward_from(misuse_at: int) -> Callable:
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        loss = mlp_loss(self.net, x, y)
+        if batch_idx < misuse_at:
+            self.manual_backward(loss)
+        else:
+            loss.backward()  # misuse: bypasses the loss scaling of self.manual_backward
+            self.records.append([p.detach().clone() for p in self.net.parameters()])
+        opt.step()
+
+    return training_step
+
+
+def check_misuse_plain_backward(package: str, misuse_at: str) -> None:
+    """``loss.backward()`` instead of ``self.manual_backward(loss)`` under 16-mixed: ``opt.step()`` raises and says what
+    to call instead; the step leaves the weights untouched. From the first batch (the scaler has never scaled anything
+    yet) and after a few correct batches."""
+    api = lightning_api(package)
+    seen: list = []
+
+    class Module(api.RecipeModule):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.records = seen
+
+    net = mlp()
+    configure = functools.partial(_one_optimizer, name="SGD")
+    with pytest.raises(RuntimeError, match="manual_backward"):
+        fit_lightning(package, "16-mixed", net, configure, manual_plain_backward_from(int(misuse_at)), module_cls=Module)
+    assert len(seen) == 1, "training went on after the misuse"
+    for before, after in zip(seen[0], net.parameters()):
+        assert torch.equal(before, after), "the misused step changed the weights"
+
+
+@pytest.mark.parametrize("misuse_at", ["0", "3"])
+def test_loss_backward_instead_of_manual_backward_raises(misuse_at):
+    check_misuse_plain_backward(FORK, misuse_at)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# negative control: the unpatched pytorch_lightning 2.6.6 fails these cells
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_cell(package: str, cell: str) -> None:
+    kind, *args = cell.split(":")
+    if kind in ("manual", "automatic"):
+        check_equivalence(package, kind, *args)
+    elif kind == "autocast_off":
+        check_autocast_off(package, *args)
+    elif kind == "misuse_plain_backward":
+        check_misuse_plain_backward(package, *args)
+    else:
+        raise ValueError(cell)
+
+
+_DIFFERS = (AssertionError, "parameters differ from the recipe")
+_TRAJECTORY = (AssertionError, "scale trajectory")
+
+#: ``cell -> (exception, message pattern)``: how stock 2.6.6 fails each cell, found by running every cell against it.
+#: Every other cell of the matrix passes on stock (automatic optimization, and manual plain, accumulation, closure,
+#: no_grad teacher and step-then-forward, as well as everything that does not involve a scaler or a nested region).
+STOCK_FAILURES = {
+    # clip_gradients clips the gradients while they are still multiplied by the loss scale (upstream #18089)
+    **{f"manual:{clip}:16-mixed:{opt}": _DIFFERS for clip in ("clip_norm", "clip_value") for opt in OPTIMIZERS},
+    # scaler.update() after every optimizer step: the second optimizer is unscaled with a scale that did not scale its
+    # gradients, and the scale moves twice per batch
+    **{f"manual:two_optimizers:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
+    **{f"manual:multi_step:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
+    **{f"manual:gan:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
+    # the user's scaler.unscale_(lightning_optimizer) is keyed by the wrapper; the step unscales the raw optimizer again
+    **{f"manual:user_unscale_lightning_optimizer:16-mixed:{opt}": _DIFFERS for opt in OPTIMIZERS},
+    # ... and with the raw optimizer, the step's own unscale_ raises
+    **{
+        f"manual:user_unscale_raw_optimizer:16-mixed:{opt}": (RuntimeError, r"unscale_\(\) has already been called")
+        for opt in OPTIMIZERS
+    },
+    # manual_backward runs under autocast: the backward of the fp32 island is computed in low precision
+    **{f"manual:nested_autocast:{prec}:{opt}": _DIFFERS for prec in MIXED_PRECISIONS for opt in OPTIMIZERS},
+    "autocast_off:bf16-mixed": (AssertionError, "ran under autocast"),
+    "autocast_off:16-mixed": (AssertionError, "ran under autocast"),
+    # loss.backward() in the first batch trips over torch's internal assertion (the scaler never scaled anything) ...
+    "misuse_plain_backward:0": (AssertionError, "_scale is None"),
+    # ... and after correct batches goes unnoticed: the unscaled gradients are divided by the scale
+    "misuse_plain_backward:3": (pytest.fail.Exception, "DID NOT RAISE"),
+}
+if AUTOCAST_CACHE:
+    # autocast's weight cache is off: the discriminator, applied to real and fake samples, is cast twice and its two
+    # gradients are summed in fp32, where the recipe casts once and sums them in low precision
+    STOCK_FAILURES.update({f"manual:gan:bf16-mixed:{opt}": _DIFFERS for opt in OPTIMIZERS})
+
+
+@pytest.mark.parametrize("cell", sorted(STOCK_FAILURES))
+def test_stock_lightning_fails_the_recipe(cell):
+    exception, match = STOCK_FAILURES[cell]
+    with pytest.raises(exception, match=match):
+        check_cell(STOCK, cell)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_multi_step_reference_is_gradscaler_for_one_step(precision, optimizer):
+    """The primitives-based reference of ``multi_step`` is ``GradScaler`` itself when there is one step per batch."""
+    runs = []
+    for recipe in (functools.partial(recipe_multi_step, inner_steps=1), recipe_plain):
+        rc = RecipeRun(mlp(), precision)
+        recipe(rc, _one_optimizer(rc.net, optimizer))
+        runs.append(rc.result())
+    assert_recipe_is_sharp(runs[1], precision)
+    assert_same_run(*runs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stale_weight_check_can_fail(dtype):
+    """The check of ``step_then_forward`` (stock passes it: its autocast cache is off) catches a stale cache: one
+    autocast region with the cache on around forward, step and a second forward, as upstream master has it."""
+    net = mlp()
+    opt = make_optimizer("SGD", net.parameters())
+    x, y = make_batches()[0]
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=True):
+        mlp_loss(net, x, y).backward()
+        opt.step()
+        stale = net(x)
+    assert not torch.equal(stale, fresh_autocast_forward(net, x, dtype))
