@@ -55,6 +55,8 @@ OUT_FEATURES = 4
 INIT_SCALE = 2.0**10
 #: batch whose loss is multiplied by ``inf`` in 16-mixed cells
 INF_BATCH = 2
+#: a second batch with an inf, for cases with several losses per batch: there the inf goes into a later loss
+LATE_INF_BATCH = 5
 #: clip values, small enough to really clip this model's gradients (the recipe asserts it)
 CLIP_NORM = 0.05
 CLIP_VALUE = 0.005
@@ -81,6 +83,10 @@ def uses_scaler(precision: str) -> bool:
 def inf_batch(precision: str) -> Optional[int]:
     """Batch whose loss gets an injected ``inf``: only with a scaler, without one an inf would destroy the weights."""
     return INF_BATCH if uses_scaler(precision) else None
+
+
+def late_inf_batch(precision: str) -> Optional[int]:
+    return LATE_INF_BATCH if uses_scaler(precision) else None
 
 
 def inject_inf(loss: torch.Tensor, batch_idx: int, at: Optional[int]) -> torch.Tensor:
@@ -280,6 +286,7 @@ class RecipeRun:
         self.dtype = autocast_dtype(precision)
         self.scaler = new_scaler(enabled=uses_scaler(precision))
         self.inf_at = inf_batch(precision)
+        self.late_inf_at = late_inf_batch(precision)
         #: overridden by recipes that keep the scale themselves (see the multi-step case)
         self.get_scale: Callable[[], float] = self.scaler.get_scale
         self.scales: list[float] = []
@@ -293,6 +300,9 @@ class RecipeRun:
 
     def inject(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return inject_inf(loss, batch_idx, self.inf_at)
+
+    def inject_late(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return inject_inf(loss, batch_idx, self.late_inf_at)
 
     def batches(self):
         """Yield ``(batch_idx, (x, y))``, recording the scale and whether the parameters changed after each batch."""
@@ -334,7 +344,8 @@ def lightning_api(package: str) -> SimpleNamespace:
 
     class RecipeModule(pl.LightningModule):
         """Holds ``net``; ``configure(net)`` builds the optimizers, ``step(module, batch, batch_idx)`` is the
-        ``training_step``; ``inf_at`` is the batch that must inject an inf; ``amp_dtype`` the autocast dtype the Trainer
+        ``training_step``; ``inf_at`` / ``late_inf_at`` the batches that must inject an inf into their first / a later
+        loss; ``amp_dtype`` the autocast dtype the Trainer
         should use (``None``: none); ``records`` collects what the step saw."""
 
         def __init__(self, net: nn.Module, configure: Callable, step: Callable, automatic: bool, precision: str) -> None:
@@ -344,6 +355,7 @@ def lightning_api(package: str) -> SimpleNamespace:
             self._step = step
             self.automatic_optimization = automatic
             self.inf_at = inf_batch(precision)
+            self.late_inf_at = late_inf_batch(precision)
             self.amp_dtype = autocast_dtype(precision)
             self.records: list[Any] = []
 
