@@ -1,0 +1,269 @@
+"""Fused optimizers under mixed precision (promise 6 of the fork's design; issue 4).
+
+``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)`` are unscaled through the ``GradScaler`` like any other optimizer, so
+clipping works and ``on_before_optimizer_step`` sees true gradients, never unscaled twice; inf/NaN steps are skipped as
+for unfused optimizers; fused ``SGD`` with momentum survives a skipped first step; an optimizer that unscales inside its
+own ``step()`` gets a clear error when its gradients must be clipped.
+
+The matrix trains a tiny MLP through the Trainer and through a hand-written PyTorch AMP loop
+(``tests_pytorch/helpers/amp_fused.py`` explains both and what they record).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch.amp.grad_scaler import OptState
+
+from tests_pytorch.helpers.amp_fused import (
+    BITWISE,
+    CLIP_NORM,
+    CLIP_VALUE,
+    CLIPS,
+    INIT_SCALE,
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    Tolerance,
+    assert_grads_match,
+    assert_params_match,
+    assert_runs_match,
+    assert_skips_exactly,
+    assert_trajectory_matches,
+    cached_lightning_run,
+    cached_recipe_run,
+    default_inf_batch,
+    lightning_api,
+    lightning_run,
+    make_batches,
+    optimizer_params,
+    recipe_run,
+    scale_exponents,
+    uninitialised_memory_is_nan,
+)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        # the Trainer's chatter about the tiny dataloader, missing workers, etc. is not what these tests are about
+        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|log_every_n_steps).*")
+        yield
+
+
+#: How far a fused optimizer may drift from its for-loop implementation (``foreach=False``) over the 6 batches, in
+#: units in the last place of each tensor's largest element (see ``Tolerance``); final parameters and optimizer state.
+#: The fused CPU kernels compute the same update with a different sequence of roundings (order of operations, fused
+#: multiply-adds, scalar factors such as Adam's bias corrections prepared differently), so a step may round an element
+#: one ulp differently, and the difference is carried into later steps. Measured maxima on torch 2.13 CPU over the
+#: whole matrix: Adam 2, AdamW 2, Adagrad 1, SGD with momentum 1 (all weights |w| < 0.6, so at most 6e-8 absolute),
+#: plain SGD bitwise. These are the tolerances, with no margin; the failure they guard against is far away: a double
+#: unscale moves these weights by ~1e-2 (Adam) to ~2e-1 (SGD with momentum), see the negative control below.
+#: Step counters must be equal exactly everywhere, and the gradients seen in ``on_before_optimizer_step`` are bitwise
+#: equal between fused and for-loop runs: the first step's trivially (same weights), the later ones because the cast
+#: to fp16/bf16 absorbs the few-ulp fp32 weight differences (measured in every cell; if a future kernel ever pushes one
+#: weight across a low-precision rounding boundary, relax the later steps to the autocast dtype's resolution, no more).
+FUSED_TOLERANCE = {
+    "Adam": Tolerance(2),
+    "AdamW": Tolerance(2),
+    "Adagrad": Tolerance(1),
+    "SGD-momentum": Tolerance(1),
+    "SGD": BITWISE,
+}
+STATELESS = {"SGD"}
+
+
+def _assert_recipe_is_sharp(recipe, precision, clip):
+    """The reference run exercises what it claims: every finite step really clipped, the injected inf was skipped."""
+    finite = [s for s in recipe.clip_seen if s == s and s != float("inf")]
+    if clip == "norm":
+        assert len(finite) == len(recipe.batches) - (precision == "16-mixed")
+        assert min(finite) > 2 * CLIP_NORM, f"clip by norm does not clip: total norms {finite}"
+    elif clip == "value":
+        assert len(finite) == len(recipe.batches) - (precision == "16-mixed")
+        assert min(finite) > 2 * CLIP_VALUE, f"clip by value does not clip: max |grad| {finite}"
+    else:
+        assert recipe.clip_seen == []
+    inf_at = default_inf_batch(precision)
+    assert recipe.skipped == [i == inf_at for i in range(len(recipe.batches))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("fused", [False, True], ids=["forloop", "fused"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_optimizer_matrix(optimizer, fused, precision, clip, mode):
+    """Every cell: the Trainer equals PyTorch's AMP recipe with the same optimizer bitwise (weights, optimizer state,
+    gradients seen by ``on_before_optimizer_step``, scale trajectory, skipped steps); the injected inf skips its step
+    completely; and a fused optimizer equals its for-loop twin within ``FUSED_TOLERANCE``, with the same scale
+    trajectory, the same skipped steps and bitwise the same gradients in the hook, i.e. true, unscaled ones."""
+    run = cached_lightning_run(optimizer, fused, precision, clip, mode)
+    recipe = cached_recipe_run(optimizer, fused, precision, clip, mode)
+    _assert_recipe_is_sharp(recipe, precision, clip)
+
+    assert_runs_match(run, recipe, BITWISE, grad_tol=BITWISE)
+    assert_skips_exactly(run, precision, default_inf_batch(precision), stateful=optimizer not in STATELESS)
+    if precision == "16-mixed":
+        # growth every step (growth_interval=1), one back-off at the inf
+        assert scale_exponents(run) == [11, 12, 11, 12, 13, 14]
+
+    if fused:
+        forloop = cached_lightning_run(optimizer, False, precision, clip, mode)
+        assert_runs_match(run, forloop, FUSED_TOLERANCE[optimizer], grad_tol=BITWISE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("start", ["inf-at-batch-0", "overflowing-init-scale"])
+def test_fused_sgd_momentum_survives_a_skipped_first_step(start, mode):
+    """Fused SGD with momentum whose first step is skipped equals for-loop SGD: the fork gives it zero momentum
+    buffers, which is exact with ``dampening=0``. Uninitialised memory is NaN here, so a buffer torch left uninitialised
+    could not go unnoticed. ``overflowing-init-scale`` is the usual start of fp16 training: 2**18 overflows this model's
+    fp16 gradients, and the first two steps are skipped before the scale has come down."""
+    kwargs = {"inf_at": 0} if start == "inf-at-batch-0" else {"inf_at": None, "init_scale": 2.0**18}
+    with uninitialised_memory_is_nan():
+        fused = lightning_run("SGD-momentum", True, "16-mixed", "none", mode, **kwargs)
+    forloop = lightning_run("SGD-momentum", False, "16-mixed", "none", mode, **kwargs)
+    recipe = recipe_run("SGD-momentum", False, "16-mixed", "none", mode, **kwargs)
+
+    assert fused.skipped[0], "the first step was not skipped: the test would prove nothing"
+    assert not all(fused.skipped)
+    assert_runs_match(forloop, recipe, BITWISE, grad_tol=BITWISE)
+    # the only difference allowed: the skipped first step left zero momentum buffers where for-loop SGD has none yet
+    assert_runs_match(fused, forloop, FUSED_TOLERANCE["SGD-momentum"], grad_tol=BITWISE, state_changes=False)
+    assert [b.state_changed for b in fused.batches] == [True] + [b.state_changed for b in forloop.batches[1:]]
+    for p in fused.params.values():
+        assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("start", ["inf-at-batch-0", "overflowing-init-scale"])
+def test_raw_torch_fused_sgd_momentum_breaks_on_a_skipped_first_step(start):
+    """Negative control for the test above: PyTorch's own AMP recipe with fused SGD (no Lightning, no protection) leaves
+    the momentum buffers uninitialised when the scaler skips the first step, and training is destroyed."""
+    kwargs = {"inf_at": 0} if start == "inf-at-batch-0" else {"inf_at": None, "init_scale": 2.0**18}
+    with uninitialised_memory_is_nan():
+        raw = recipe_run("SGD-momentum", True, "16-mixed", "none", "automatic", **kwargs)
+    forloop = recipe_run("SGD-momentum", False, "16-mixed", "none", "automatic", **kwargs)
+    assert raw.skipped[0]
+    assert all(torch.isnan(buf["momentum_buffer"]).all() for buf in raw.state), "torch initialised the buffers"
+    assert not any(torch.isfinite(p).any() for p in raw.params.values())
+    with pytest.raises(AssertionError, match="parameters differ"):
+        assert_params_match(raw, forloop, FUSED_TOLERANCE["SGD-momentum"])
+
+
+def _fit_until_error(module, trainer):
+    before = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    try:
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(make_batches(), batch_size=None))
+    finally:
+        for n, p in module.net.named_parameters():
+            assert torch.equal(p, before[n]), f"{n} changed before the error"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_sgd_with_dampening_is_refused_before_any_step(mode):
+    """Zero buffers are not exact with dampening (for-loop SGD's first step does not dampen), so it is an error."""
+    api = lightning_api("lightning")
+    module = api.FusedModule("SGD-dampening", True, "none", mode, inf_at=None)
+    trainer = api.make_trainer("16-mixed", "none", mode)
+    with pytest.raises(ValueError, match=r"SGD\(fused=True, momentum=0.9, dampening=0.1\).*dampening=0"):
+        _fit_until_error(module, trainer)
+
+
+class _UnscaleAgainInHook(lightning_api("lightning").pl.Callback):
+    """A double unscale where the hook can see it: the gradients are divided by the scale a second time."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in optimizer_params(optimizer) if p.grad is not None]
+        inv_scale = trainer.precision_plugin.scaler._scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), inv_scale)
+
+
+class _KernelUnscalesAgain(lightning_api("lightning").pl.Callback):
+    """torch 1.13's bug, the reason upstream stopped unscaling fused optimizers: after ``unscale_``, ``scaler.step``
+    still passed ``grad_scale`` to the fused kernel, which unscaled again. Making the scaler forget the unscale
+    reproduces it; the hook then sees correct gradients, only the weights tell."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        raw = getattr(optimizer, "optimizer", optimizer)
+        trainer.precision_plugin.scaler._per_optimizer_states[id(raw)]["stage"] = OptState.READY
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD-momentum"])
+@pytest.mark.parametrize("double_unscale", [_UnscaleAgainInHook, _KernelUnscalesAgain], ids=["in-hook", "in-kernel"])
+def test_the_comparison_catches_a_double_unscale(double_unscale, optimizer):
+    """Negative control for the matrix: a fused run that unscales twice fails the very checks the matrix makes. Adam is
+    the hard case: nearly invariant to the gradients' scale (only ``eps`` notices), yet the tolerance catches it."""
+    bad = lightning_run(optimizer, True, "16-mixed", "none", "automatic", callbacks=(double_unscale(),))
+    recipe = cached_recipe_run(optimizer, True, "16-mixed", "none", "automatic")
+    forloop = cached_lightning_run(optimizer, False, "16-mixed", "none", "automatic")
+    # the sabotage breaks neither the trajectory nor the skipped step: only the values tell
+    assert_trajectory_matches(bad, forloop)
+    with pytest.raises(AssertionError, match="parameters differ"):
+        assert_params_match(bad, forloop, FUSED_TOLERANCE[optimizer])
+    with pytest.raises(AssertionError, match="parameters differ"):
+        assert_params_match(bad, recipe, BITWISE)
+    if double_unscale is _UnscaleAgainInHook:
+        with pytest.raises(AssertionError, match="gradient of .* seen at step 0 differs"):
+            assert_grads_match(bad, forloop, BITWISE)
+    else:
+        # the hook saw true gradients at the first step; the kernel then unscaled them again
+        for name, g in bad.grads[0].items():
+            assert torch.equal(g, forloop.grads[0][name])
+
+
+SELF_UNSCALING_ERROR = (
+    r"The optimizer SelfUnscalingSGD unscales gradients inside its own `step\(\)` \(it takes a `grad_scaler` argument\)"
+    r".*cannot be clipped"
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_optimizer_unscaling_inside_its_step_cannot_be_clipped(clip, mode):
+    """The guard that remains: an optimizer of the old ``grad_scaler=`` protocol unscales inside ``step()``, so its
+    gradients cannot be unscaled before it without being unscaled twice. Clipping them is refused, before any step."""
+    api = lightning_api("lightning")
+    module = api.FusedModule("SelfUnscalingSGD", False, clip, mode, inf_at=None)
+    trainer = api.make_trainer("16-mixed", clip, mode)
+    with pytest.raises(RuntimeError, match=SELF_UNSCALING_ERROR):
+        _fit_until_error(module, trainer)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizer_unscaling_inside_its_step_trains_without_clipping(mode):
+    """Without clipping it trains: the scaler passes itself as ``grad_scaler`` (torch warns that this protocol is
+    deprecated), and the result equals PyTorch's recipe with the same SGD bitwise. Its gradients stay scaled until its
+    own step, which is what ``on_before_optimizer_step`` then sees."""
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        run = lightning_run("SelfUnscalingSGD", False, "16-mixed", "none", mode)
+    recipe = recipe_run("SGD-momentum", False, "16-mixed", "none", mode)
+    assert_trajectory_matches(run, recipe)
+    assert_params_match(run, recipe, BITWISE)
+    for name, g in run.grads[0].items():
+        assert torch.equal(g, recipe.grads[0][name] * INIT_SCALE)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# negative controls: the unpatched pytorch_lightning 2.6.6
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stock_lightning_refuses_to_clip_fused_optimizers(precision, mode):
+    """Stock 2.6.6 raises when a fused optimizer is clipped, even under bf16-mixed where there is no scaler at all;
+    the fork's matrix above clips them (bf16-mixed and 16-mixed cells with ``clip != 'none'``)."""
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        lightning_run("Adam", True, precision, "norm", mode, package="pytorch_lightning")
+
+
+def test_stock_lightning_hook_sees_scaled_gradients_of_fused_optimizers():
+    """Stock 2.6.6 does not unscale fused optimizers before ``on_before_optimizer_step``: the hook sees gradients
+    multiplied by the loss scale, and the matrix's gradient check would catch it."""
+    stock = lightning_run("Adam", True, "16-mixed", "none", "automatic", package="pytorch_lightning")
+    recipe = cached_recipe_run("Adam", True, "16-mixed", "none", "automatic")
+    with pytest.raises(AssertionError, match="gradient of .* seen at step 0 differs"):
+        assert_grads_match(stock, recipe, BITWISE)
+    for name, g in stock.grads[0].items():
+        assert torch.equal(g, recipe.grads[0][name] * INIT_SCALE)
