@@ -60,6 +60,9 @@ class GradScalerRecipe:
       iteration's scale, and the inf check of its first step still counts for the update.
     - :meth:`update` applies the iteration's single ``scaler.update()``; it does nothing when no step happened since
       the last update (gradient accumulation, a skipped ``training_step``).
+    - :meth:`step_was_skipped` tells whether an optimizer's last step was skipped for inf/NaN gradients, fused
+      optimizers included; :attr:`skipped_steps` counts the skipped steps on the scaler's device. Neither costs a device
+      synchronisation until somebody reads it.
 
     Example::
 
@@ -79,6 +82,9 @@ class GradScalerRecipe:
         self.scaler = scaler
         self._update_pending = False
         self._spent_states = 0
+        self._found_inf: dict[int, torch.Tensor] = {}
+        self._iteration_found_infs: list[torch.Tensor] = []
+        self._skipped_steps: Optional[torch.Tensor] = None
 
     @property
     def update_pending(self) -> bool:
@@ -128,7 +134,36 @@ class GradScalerRecipe:
         _protect_fused_sgd_momentum(optimizer)
         output = self.scaler.step(optimizer, **kwargs)
         self._update_pending = True
+        found_infs = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        if found_infs:  # empty only for an optimizer that unscales inside its own `step()`: it keeps its own record
+            found_inf = found_infs[0] if len(found_infs) == 1 else sum(f.to(found_infs[0].device) for f in found_infs)
+            self._found_inf[id(optimizer)] = found_inf
+            self._iteration_found_infs.append(found_inf)
         return output
+
+    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
+
+        ``False`` before its first step. Reading it synchronises with the device.
+
+        """
+        found_inf = self._found_inf.get(id(optimizer))
+        return found_inf is not None and bool(found_inf.item() > 0)
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """How many steps (of all optimizers) the scaler skipped so far, as a tensor on the scaler's device."""
+        self._count_skipped_steps()
+        if self._skipped_steps is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._skipped_steps
+
+    def _count_skipped_steps(self) -> None:
+        if not self._iteration_found_infs:
+            return
+        skipped = (torch.cat([f.reshape(1) for f in self._iteration_found_infs]) > 0).sum()
+        self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
+        self._iteration_found_infs.clear()
 
     def _adopt_state(self, optimizer: Optimizer, aliases: tuple[Any, ...]) -> None:
         """Make the scaler's state for ``optimizer`` reflect this step, whatever the user did through ``aliases``."""
@@ -159,6 +194,7 @@ class GradScalerRecipe:
             self.scaler.update()
         self._update_pending = False
         self._spent_states = 0
+        self._count_skipped_steps()  # once per iteration, asynchronously, so the record stays small
 
 
 def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
