@@ -1,12 +1,20 @@
 """Manual (and automatic) optimization under mixed precision behaves exactly like PyTorch's AMP recipe.
 
-Each cell of the matrix ``mode x case x precision x optimizer`` trains the same tiny model on the same batches through
-the Trainer and through a hand-written PyTorch AMP loop and requires the runs to be identical: every parameter bitwise,
-the loss-scale trajectory, and which batches left the parameters untouched (skipped steps). See
-``tests_pytorch/helpers/amp_recipe.py`` for the machinery and for why bitwise equality is the right bar.
+Each cell ``mode:case:precision:optimizer`` of the matrix trains the same tiny model on the same batches through the
+Trainer and through a hand-written PyTorch AMP loop and requires the two runs to be identical: every parameter bitwise
+(no tolerance anywhere), the loss-scale trajectory, and which batches left the parameters untouched (skipped steps).
+See ``tests_pytorch/helpers/amp_recipe.py`` for the machinery and why bitwise equality is the right bar.
 
-``test_stock_lightning_fails_the_recipe`` is the negative control: the unpatched ``pytorch_lightning`` 2.6.6 runs the
-same cells and must fail them, in the way recorded there.
+Besides the matrix (``test_matches_the_pytorch_amp_recipe``):
+
+* ``test_autocast_off_in_backward_clipping_and_step``: autocast is on in the ``training_step`` body and in a closure's
+  forward, off in backward, its hooks, clipping, the optimizer step and every scaler call;
+* ``test_loss_backward_instead_of_manual_backward_raises``: the misuse is loud;
+* the negative control: the unpatched ``pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly those listed
+  in ``STOCK_FAILURES``, in the way recorded there, and pass all others (so the reference agrees with stock wherever
+  stock is right, automatic optimization included);
+* self-checks of the reference: the multi-step reference built from torch's AMP primitives is ``GradScaler`` itself for
+  one step per batch, and the stale-weight check does catch a stale autocast cache.
 """
 
 import copy
@@ -94,9 +102,10 @@ def _clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) -
 
 
 def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
-    sizes = [size for kind, size in rc.records]
-    limit = CLIP_NORM if rc.records[0][0] == "norm" else CLIP_VALUE
-    assert any(math.isfinite(s) and s > limit for s in sizes), f"clipping never clipped: {sizes}"
+    for kind, limit in (("norm", CLIP_NORM), ("value", CLIP_VALUE)):
+        sizes = [size for k, size in rc.records if k == kind]
+        assert not sizes or any(math.isfinite(s) and s > limit for s in sizes), f"{kind} never clipped: {sizes}"
+    assert rc.records
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -129,6 +138,21 @@ def recipe_clip(algorithm: str) -> Callable:
             rc.scaler.update()
 
     return recipe
+
+
+def recipe_clip_value_then_norm(rc: RecipeRun, opts: list) -> None:
+    # unscale once, then both clips
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.unscale_(opt)
+        _clip_reference(rc, opt, "value")
+        _clip_reference(rc, opt, "norm")
+        rc.scaler.step(opt)
+        rc.scaler.update()
 
 
 def recipe_accumulate(rc: RecipeRun, opts: list) -> None:
@@ -280,6 +304,18 @@ def manual_clip(algorithm: str) -> Callable:
         opt.step()
 
     return training_step
+
+
+def manual_clip_value_then_norm(self, batch, batch_idx):
+    # two clip_gradients calls in one step: unscaling must happen once
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    self.clip_gradients(opt, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
+    self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+    opt.step()
 
 
 def manual_accumulate(self, batch, batch_idx):
@@ -436,6 +472,9 @@ CASES = {
         recipe_clip("value"),
         automatic={"gradient_clip_val": CLIP_VALUE, "gradient_clip_algorithm": "value"},
         check_recipe=_assert_clipping_happened,
+    ),
+    "clip_value_then_norm": Case(
+        manual_clip_value_then_norm, recipe_clip_value_then_norm, check_recipe=_assert_clipping_happened
     ),
     "accumulate": Case(manual_accumulate, recipe_accumulate, automatic={"accumulate_grad_batches": 2}),
     "two_optimizers": Case(manual_two_optimizers, recipe_two_optimizers, configure=_two_optimizers),
@@ -716,7 +755,11 @@ _TRAJECTORY = (AssertionError, "scale trajectory")
 #: no_grad teacher and step-then-forward, as well as everything that does not involve a scaler or a nested region).
 STOCK_FAILURES = {
     # clip_gradients clips the gradients while they are still multiplied by the loss scale (upstream #18089)
-    **{f"manual:{clip}:16-mixed:{opt}": _DIFFERS for clip in ("clip_norm", "clip_value") for opt in OPTIMIZERS},
+    **{
+        f"manual:{clip}:16-mixed:{opt}": _DIFFERS
+        for clip in ("clip_norm", "clip_value", "clip_value_then_norm")
+        for opt in OPTIMIZERS
+    },
     # scaler.update() after every optimizer step: the second optimizer is unscaled with a scale that did not scale its
     # gradients, and the scale moves twice per batch
     **{f"manual:two_optimizers:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
