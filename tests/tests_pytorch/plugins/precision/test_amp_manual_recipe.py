@@ -828,7 +828,7 @@ def test_multi_step_reference_is_gradscaler_for_one_step(precision, optimizer):
     assert_same_run(*runs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_stale_weight_check_can_fail(dtype):
     """The check of ``step_then_forward`` (stock passes it: its autocast cache is off) catches a stale cache: one
     autocast region with the cache on around forward, step and a second forward, as upstream master has it."""
