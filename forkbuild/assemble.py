@@ -32,7 +32,7 @@ def overlay_files(root: Path = OVERLAY) -> dict[str, bytes]:
     """Our own modules, keyed by their path inside the wheel (``lightning/...``)."""
     files = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file() and not any(part in _SKIP or part.endswith(_SKIP) for part in path.parts):
+        if path.is_file() and not any(part in _SKIP or part.endswith(_SKIP) for part in path.relative_to(root).parts):
             files[path.relative_to(root).as_posix()] = path.read_bytes()
     return files
 
@@ -159,7 +159,7 @@ def write_sdist(pin: Pin, directory: Path) -> Path:
             path = ROOT / member
             paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
             for p in paths:
-                if not any(part in _SKIP or part.endswith(_SKIP) for part in p.parts):
+                if not any(part in _SKIP or part.endswith(_SKIP) for part in p.relative_to(ROOT).parts):
                     add(p.relative_to(ROOT).as_posix(), p.read_bytes())
     os.replace(partial, target)
     return target

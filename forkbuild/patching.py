@@ -43,6 +43,13 @@ class Patch:
     files: list[FilePatch]
 
 
+def _lines(text: str) -> list[str]:
+    """Split at "\\n" only, keeping the ends, as diff and git do (``str.splitlines`` also splits at \\f, \\x1c...)."""
+    lines = text.split("\n")
+    last = lines.pop()  # "" when the text ends with a newline
+    return [line + "\n" for line in lines] + ([last] if last else [])
+
+
 def _strip_prefix(raw: str) -> str:
     path = raw.split("\t", 1)[0].strip()
     return path[2:] if path.startswith(("a/", "b/")) else path
@@ -50,7 +57,7 @@ def _strip_prefix(raw: str) -> str:
 
 def parse(name: str, text: str) -> Patch:
     """Parse one patch file. Creating, deleting or renaming files is refused: new files are our own modules."""
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     header: list[str] = []
     files: list[FilePatch] = []
     i = 0
@@ -126,7 +133,7 @@ def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int:
 
 def apply_file(patch: Patch, file_patch: FilePatch, text: str) -> str:
     """Apply every hunk of ``file_patch`` to ``text``; all or nothing."""
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     offset = 0
     floor = 0
     for number, hunk in enumerate(file_patch.hunks, 1):
@@ -169,7 +176,7 @@ def apply_series(patch_dir: Path, files: dict[str, bytes], prefix: str = "src/")
     staged = dict(files)
     applied = []
     for path in read_series(patch_dir):
-        patch = parse(path.name, path.read_text(encoding="utf-8"))
+        patch = parse(path.name, path.read_bytes().decode("utf-8"))
         for file_patch in patch.files:
             if not file_patch.path.startswith(prefix):
                 raise PatchError(f"patch {patch.name}: {file_patch.path} is outside {prefix}; only the package is built")

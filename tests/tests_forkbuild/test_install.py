@@ -1,0 +1,246 @@
+"""The built wheel in a clean virtual environment: it installs, imports, passes ``pip check``, uninstalls cleanly;
+and checkpoints travel between the fork and the stock ``pytorch_lightning`` installed beside it.
+
+One virtual environment for the module (``python -m venv``, then torch and the wheel with its dependencies from the
+configured index): slow (about a minute, mostly torch), but part of the default run.
+
+What ``lightning.__version__`` reports, decided: upstream's version with the fork's PEP 440 local label
+(``2.6.6+amp.1``). Checkpoints record it as ``pytorch-lightning_version``. Stock 2.6.6 loads such a checkpoint,
+warning that it comes from a newer Lightning (``2.6.6+amp.1 > 2.6.6`` in PEP 440) and skipping its migrations, of
+which there are none to run between equal release numbers; the fork loads stock checkpoints as upstream does.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from forkbuild.pin import Pin
+
+pytestmark = pytest.mark.slow
+
+TORCH = "torch==2.13.0"
+
+
+@dataclass
+class Venv:
+    root: Path
+    python: Path
+    site_packages: Path
+    workdir: Path  # the current directory for every command: nothing importable lies there
+    env: dict[str, str]
+
+    def run(self, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.python), "-I", *args], cwd=self.workdir, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+        if check:
+            assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def pip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.run("-m", "pip", *args, check=check)
+
+    def scripts(self, code: str, *runs: tuple[str, ...]) -> list[dict]:
+        """Run CODE once per argument tuple, all at once; each run prints one JSON line last: return them parsed."""
+        path = self.workdir / f"script{len(list(self.workdir.glob('script*.py')))}.py"
+        path.write_text(textwrap.dedent(code))
+        procs = [
+            subprocess.Popen([str(self.python), "-I", str(path), *args], cwd=self.workdir, env=self.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for args in runs
+        ]
+        results = []
+        for args, proc in zip(runs, procs):
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{args}\n{out}\n{err}"
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+
+    def script(self, code: str, *args: str) -> dict:
+        return self.scripts(code, args)[0]
+
+    def listing(self) -> set[str]:
+        """Every file and folder (folders with a trailing slash) of the environment."""
+        out = set()
+        for folder, dirs, files in os.walk(self.root):
+            rel = Path(folder).relative_to(self.root)
+            out.update(f"{(rel / d).as_posix()}/" for d in dirs)
+            out.update((rel / f).as_posix() for f in files)
+        return out
+
+    def record(self, dist_info: str) -> dict[str, tuple[str, str]]:
+        """The installed RECORD: path relative to the environment -> (hash, size)."""
+        text = (self.site_packages / dist_info / "RECORD").read_text()
+        rows = {}
+        for name, digest, size in csv.reader(io.StringIO(text)):
+            path = Path(os.path.normpath(self.site_packages / name))
+            rows[path.relative_to(self.root).as_posix()] = (digest, size)
+        return rows
+
+
+def _sha(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+@pytest.fixture(scope="module")
+def venv(helpers, fork_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    base = tmp_path_factory.mktemp("clean-venv")
+    root = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True)
+    python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    env = helpers.base_env(VIRTUAL_ENV=None, PIP_REQUIRE_VIRTUALENV=None)
+    env["PYTHONNOUSERSITE"] = "1"
+    (base / "work").mkdir()
+    purelib = subprocess.run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    env_ = Venv(root, python, Path(purelib), base / "work", env)
+    env_.pip("install", "--no-compile", TORCH)  # torch is not what is under test: skip compiling its byte code
+    env_.pip("install", str(fork_wheel))
+    return env_  # pytest's tmp_path rotation removes it (deleting a gigabyte of torch here would only add time)
+
+
+def test_imports_as_the_fork(venv: Venv, pin: Pin, repo_snapshot: Path) -> None:
+    own = sorted(
+        ".".join(p.relative_to(repo_snapshot / "src").with_suffix("").parts).removesuffix(".__init__")
+        for p in (repo_snapshot / "src").rglob("*.py") if "__pycache__" not in p.parts
+    )
+    result = venv.script(
+        """
+        import importlib, importlib.metadata, json, sys
+        import lightning
+        from lightning.pytorch import Trainer
+        import lightning.fabric, lightning.pytorch, pytorch_lightning
+        for name in sys.argv[1:]:  # the fork's own modules
+            importlib.import_module(name)
+        print(json.dumps({
+            "version": lightning.__version__,
+            "pytorch": lightning.pytorch.__version__,
+            "fabric": lightning.fabric.__version__,
+            "distribution": importlib.metadata.version("lightning"),
+            "file": lightning.__file__,
+            "trainer": Trainer.__module__,
+            "stock": pytorch_lightning.__version__,
+        }))
+        """,
+        *own,
+    )
+    assert result["version"] == result["pytorch"] == result["fabric"] == result["distribution"] == "2.6.6+amp.1"
+    assert result["version"] == pin.fork_version
+    assert Path(result["file"]).is_relative_to(venv.site_packages)
+    assert result["trainer"].startswith("lightning.pytorch.")
+    assert result["stock"] == pin.version  # the unpatched copy lightning depends on
+
+
+def test_pip_check(venv: Venv) -> None:
+    done = venv.pip("check", check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_installed_files_are_the_wheels(venv: Venv, pin: Pin, fork_wheel: Path) -> None:
+    installed = venv.record(f"lightning-{pin.fork_version}.dist-info")
+    with zipfile.ZipFile(fork_wheel) as z:
+        for info in z.infolist():
+            if info.filename.endswith(".dist-info/RECORD"):
+                continue
+            rel = (venv.site_packages / info.filename).relative_to(venv.root).as_posix()
+            data = z.read(info)
+            assert installed[rel] == (_sha(data), str(len(data))), rel
+            assert (venv.root / rel).read_bytes() == data, rel
+
+
+CHECKPOINT_SCRIPT = """
+    import json, sys, warnings
+    import torch
+
+    package, mode, path, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if package == "fork":
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+    else:
+        import pytorch_lightning as pl
+        from pytorch_lightning.demos.boring_classes import BoringModel
+
+    class Restored(pl.Callback):
+        # the weights and step the resumed run starts from are the checkpoint's
+        seen = None
+
+        def on_train_start(self, trainer, module):
+            if mode != "resume":
+                return
+            saved = torch.load(path, weights_only=False)
+            same = all(torch.equal(v, saved["state_dict"][k]) for k, v in module.state_dict().items())
+            Restored.seen = {"weights": same and module.state_dict().keys() == saved["state_dict"].keys(),
+                             "step": trainer.global_step}
+
+    pl.seed_everything(7)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Restored()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel(), ckpt_path=path if mode == "resume" else None)
+    if mode == "save":
+        trainer.save_checkpoint(path)
+    print(json.dumps({
+        "running": pl.__version__,
+        "saved_by": torch.load(path, weights_only=False)["pytorch-lightning_version"],
+        "global_step": trainer.global_step,
+        "start": Restored.seen,
+        "warnings": [str(w.message) for w in caught],
+    }))
+"""
+
+
+def test_checkpoints_travel_between_the_fork_and_stock(venv: Venv, pin: Pin) -> None:
+    def runs(*specs: tuple[str, str, str, int]) -> list[dict]:  # the two directions run side by side
+        return venv.scripts(CHECKPOINT_SCRIPT, *[(pkg, mode, str(venv.workdir / name), str(n)) for pkg, mode, name, n
+                                                 in specs])
+
+    fork_saved, stock_saved = runs(("fork", "save", "fork.ckpt", 2), ("stock", "save", "stock.ckpt", 2))
+    assert fork_saved["running"] == fork_saved["saved_by"] == pin.fork_version == "2.6.6+amp.1"
+    assert fork_saved["global_step"] == 2
+    assert stock_saved["running"] == stock_saved["saved_by"] == "2.6.6"
+
+    stock_resumed, fork_resumed = runs(("stock", "resume", "fork.ckpt", 4), ("fork", "resume", "stock.ckpt", 4))
+    # stock Lightning resumes the fork's checkpoint: same weights, same step, then trains on
+    assert stock_resumed["running"] == "2.6.6"
+    assert stock_resumed["start"] == {"weights": True, "step": 2}
+    assert stock_resumed["global_step"] == 4
+    newer = [w for w in stock_resumed["warnings"] if "newer than your current Lightning version" in w]
+    assert newer and "v2.6.6+amp.1" in newer[0]  # the documented consequence of the local version: a warning
+    # and the fork resumes stock's
+    assert fork_resumed["running"] == pin.fork_version
+    assert fork_resumed["start"] == {"weights": True, "step": 2}
+    assert fork_resumed["global_step"] == 4
+    assert not [w for w in fork_resumed["warnings"] if "newer than" in w]
+
+
+def test_uninstall_removes_exactly_what_was_installed(venv: Venv, pin: Pin, fork_wheel: Path) -> None:
+    dist_info = f"lightning-{pin.fork_version}.dist-info"
+    venv.pip("uninstall", "-y", "lightning")
+    before = venv.listing()
+    assert not (venv.site_packages / "lightning").exists()
+
+    venv.pip("install", "--no-deps", str(fork_wheel))  # lightning alone: its dependencies are all there
+    installed = venv.listing()
+    record = venv.record(dist_info)
+    new_files = {p for p in installed - before if not p.endswith("/")}
+    assert new_files == set(record), sorted(new_files ^ set(record))[:20]
+
+    venv.pip("uninstall", "-y", "lightning")
+    after = venv.listing()
+    assert not [p for p in record if (venv.root / p).exists()], "files of the RECORD survived the uninstall"
+    assert after == before, {"left": sorted(after - before)[:20], "removed": sorted(before - after)[:20]}
+
+    venv.pip("install", "--no-deps", str(fork_wheel))  # leave the environment as the other tests found it
