@@ -3,6 +3,7 @@ and the build's refusals (a wrong hash, a patch that does not apply, a module th
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import tarfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -136,6 +138,41 @@ def test_build_from_a_git_url(
     done = helpers.pip_wheel(f"git+{repo.as_uri()}", tmp_path / "out", env)
     assert done.returncode == 0, done.stdout
     assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+
+
+def _uv() -> Optional[str]:
+    found = Path(sys.executable).with_name("uv")
+    return str(found) if found.is_file() else shutil.which("uv")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.skipif(_uv() is None, reason="uv is not installed (requirements/test.txt installs it)")
+def test_uv_pip_install_from_a_git_url(
+    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """``uv pip install git+<repo>`` builds through the same backend and installs the same files as the wheel."""
+    repo = repo_copy
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel), "UV_CACHE_DIR": str(tmp_path / "uv-cache")})
+    venv = tmp_path / "venv"
+    subprocess.run([_uv(), "venv", "-q", str(venv)], check=True, env=env, capture_output=True)
+    python = venv / "bin" / "python"
+    done = subprocess.run(
+        [_uv(), "pip", "install", "--offline", "--no-deps", "--python", str(python), f"git+{repo.as_uri()}"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    dist_info = f"{pin.name}-{pin.fork_version}.dist-info"
+    with zipfile.ZipFile(io.BytesIO(reference)) as z:
+        expected = {row.split(",")[0]: row.split(",")[1] for row in z.read(f"{dist_info}/RECORD").decode().splitlines()}
+    site = next(venv.glob("lib/python*/site-packages"))
+    installed = {
+        row.split(",")[0]: row.split(",")[1] for row in (site / dist_info / "RECORD").read_text().splitlines()
+    }
+    # uv adds its own INSTALLER (and REQUESTED) files; everything from the wheel is installed unchanged
+    assert {k: v for k, v in installed.items() if k in expected} == expected
 
 
 def test_sdist_holds_the_recipe_and_builds_the_same_wheel(
