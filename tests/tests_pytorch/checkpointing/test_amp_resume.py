@@ -1,0 +1,541 @@
+"""Resuming from a checkpoint under 16-mixed continues exactly like the uninterrupted run (promise 9; issue 5).
+
+Each case trains a tiny MLP for ``TOTAL`` batches without interruption, saving a checkpoint after every batch
+(``ModelCheckpoint(every_n_train_steps=..., save_top_k=-1)``, the way users save mid-epoch), then resumes from chosen
+checkpoints with ``trainer.fit(model, ckpt_path=...)`` in a fresh ``Trainer`` with a fresh model, and requires the end
+of the resumed run to be bitwise the end of the uninterrupted one: parameters, optimizer state, LR scheduler state and
+the gradient scaler's state (scale and growth tracker), and, batch by batch after the resume, the same scale, the same
+skipped steps and the same learning rate.
+
+Chosen so that a lost piece of state cannot hide:
+
+* the scaler grows every ``GROWTH_INTERVAL = 2`` clean steps, so its growth tracker is part of the state that matters
+  (the checkpoint at the epoch boundary holds a tracker of 1, and the first batch after the resume grows the scale);
+* ``inf`` is forced into the loss of the batches in ``FORCED``: two in a row with save points between and right after
+  them, one right after a mid-epoch and one right after an epoch-boundary save point;
+* AdamW (unfused and ``fused=True``) with a step-interval ``StepLR``: step counters, moments and the LR all move only
+  on applied steps;
+* automatic optimization, manual optimization with one optimizer, and manual optimization with two optimizers fed by one
+  backward (one scaler update per batch, both unscaled with the scale that scaled them).
+
+How Lightning 2.6.6 resumes the *data* (stock behaviour, not something the fork changes; measured here):
+
+* A dataloader without ``state_dict``/``load_state_dict`` is restarted from its beginning when resuming mid-epoch,
+  while ``batch_idx`` continues from the checkpoint and the epoch ends after the remaining number of batches (stock
+  warns "your dataloader is not resumable"). A model that trains on the loader's batches would therefore see batches
+  0, 1, ... again instead of k, k+1, ...: not the uninterrupted run, whatever the precision plugin does. So the cases
+  below take their data from a deterministic function of the global batch index (``trainer.fit_loop.total_batch_idx``,
+  which the checkpoint restores), and the loader only yields positions, which are recorded to show the replay.
+* A *sized* loader with ``state_dict``/``load_state_dict`` is saved and restored by Lightning
+  (``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``) and continues where it stopped: then the
+  model may train on the loader's own batches (``test_stateful_loader_resumes_in_place``). Without ``__len__``
+  Lightning's fetcher prefetches one batch, so the saved state is one batch ahead and a resumed run skips a batch.
+* ``trainer.save_checkpoint`` called after ``fit`` returned stores the running epoch as finished. Resumed towards a
+  ``max_steps`` limit (iteration-based training, as here), Lightning continues ``batch_idx`` from the checkpoint but
+  numbers the epochs from the stored counter: after ``fit(max_steps=6)`` (epoch 1, 2 batches done) the resumed run
+  trains epoch "2" from ``batch_idx`` 2; after a full epoch it first runs one batch with ``batch_idx == len(loader)``
+  (the loader restarted) and then the next epoch. The sequence of optimizer steps is unchanged, so with data keyed by
+  the global batch index the resume is still bitwise (``test_save_checkpoint_after_fit``); data keyed by epoch or
+  ``batch_idx`` would not be. Checkpoints written by ``ModelCheckpoint`` during the run do not have this problem.
+
+Compatibility with stock: a checkpoint saved by the unpatched ``pytorch_lightning`` 2.6.6 (its own ``Trainer`` and
+``LightningModule`` classes) resumes in the fork and vice versa, scaler state included, and both have the same layout.
+"""
+
+import functools
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+from unittest import mock
+
+import pytest
+import torch
+
+from tests_pytorch.helpers.amp_recipe import lightning_api, mlp, mlp_loss
+
+BATCHES_PER_EPOCH = 4
+TOTAL = 10  # 2.5 epochs
+INIT_SCALE = 2.0**4
+GROWTH_INTERVAL = 2
+#: global batch indices whose loss is multiplied by inf
+FORCED = (1, 2, 5, 8)
+#: resume after this many batches (all mid-epoch but 4 and 8): between two skips in a row, right after them (the scale
+#: backed off twice), at the epoch boundary with a growth tracker of 1 (the first step after the resume grows the
+#: scale), right after a growth and right before a skip, at the epoch boundary right before a skip
+RESUME_AFTER = (2, 3, 4, 5, 8)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=".*(num_workers|does not have many workers|log_every_n_steps|dataloader is not resumable"
+            "|callbacks used to create the checkpoint|`weights_only` was not set).*",
+        )
+        yield
+
+
+def new_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+
+
+def batch_for(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data of global batch ``index``: a deterministic function of the index alone."""
+    gen = torch.Generator().manual_seed(10_000 + index)
+    return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+
+
+class Positions:
+    """A non-resumable loader: yields each batch's position in the epoch."""
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(BATCHES_PER_EPOCH))
+
+    def __len__(self) -> int:
+        return BATCHES_PER_EPOCH
+
+
+class UnsizedResumableBatches:
+    """Real batches with ``state_dict``/``load_state_dict``, which Lightning saves and restores; no ``__len__``."""
+
+    def __init__(self) -> None:
+        self.epoch, self.position, self._resume_at = 0, 0, None
+
+    def __iter__(self):
+        if self._resume_at is not None and self._resume_at[1] < BATCHES_PER_EPOCH:
+            self.epoch, self.position = self._resume_at
+        elif self._resume_at is not None:  # saved after the last batch of an epoch: the next one starts afresh
+            self.epoch, self.position = self._resume_at[0] + 1, 0
+        elif self.position:  # a new epoch
+            self.epoch, self.position = self.epoch + 1, 0
+        self._resume_at = None
+        while self.position < BATCHES_PER_EPOCH:
+            self.position += 1
+            yield batch_for(self.epoch * BATCHES_PER_EPOCH + self.position - 1)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = (state["epoch"], state["position"])
+
+
+class ResumableBatches(UnsizedResumableBatches):
+    """A sized resumable loader: Lightning does not prefetch from it, so its saved state is exact."""
+
+    def __len__(self) -> int:
+        return BATCHES_PER_EPOCH
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str  # "automatic" or "manual"
+    optimizers: int = 1
+    fused: bool = False
+    forced: tuple[int, ...] = FORCED
+    #: train on the loader's batches instead of ``batch_for(total_batch_idx)``
+    loader_data: bool = False
+
+    @property
+    def automatic(self) -> bool:
+        return self.mode == "automatic"
+
+    @property
+    def steps_per_batch(self) -> int:
+        """``global_step`` counts optimizer step calls: one per optimizer and batch, skipped or not."""
+        return self.optimizers
+
+    def __str__(self) -> str:
+        return f"{self.mode}-{self.optimizers}opt{'-fused' if self.fused else ''}"
+
+
+CASES = [
+    Case("automatic"),
+    Case("automatic", fused=True),
+    Case("manual"),
+    Case("manual", optimizers=2),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def module_class(package: str) -> type:
+    pl = lightning_api(package).pl
+
+    class ResumeModule(pl.LightningModule):
+        def __init__(self, case: Case) -> None:
+            super().__init__()
+            self.case = case
+            self.net = mlp()
+            self.automatic_optimization = case.automatic
+
+        def training_step(self, batch, batch_idx):
+            index = self.trainer.fit_loop.total_batch_idx
+            x, y = batch if self.case.loader_data else batch_for(index)
+            loss = mlp_loss(self.net, x, y)
+            if index in self.case.forced:
+                loss = loss * float("inf")
+            if self.automatic_optimization:
+                return loss
+            opts, schedulers = _as_list(self.optimizers()), _as_list(self.lr_schedulers())
+            for opt in opts:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in opts:
+                opt.step()
+            for opt, scheduler in zip(opts, schedulers):
+                if not opt.step_was_skipped:  # the documented pattern (the fork's signal)
+                    scheduler.step()
+            return None
+
+        def configure_optimizers(self):
+            if self.case.optimizers == 1:
+                groups = [self.net.parameters()]
+            else:
+                groups = [self.net[0].parameters(), self.net[2].parameters()]
+            opts = [torch.optim.AdamW(params, lr=1e-2, fused=self.case.fused) for params in groups]
+            schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in opts]
+            if self.case.automatic:
+                return {"optimizer": opts[0], "lr_scheduler": {"scheduler": schedulers[0], "interval": "step"}}
+            return opts, schedulers
+
+    return ResumeModule
+
+
+def _as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+@dataclass
+class Trajectory:
+    """After each batch: where it was, what the scaler and the optimizers did."""
+
+    index: list[int] = field(default_factory=list)
+    epoch: list[int] = field(default_factory=list)
+    batch_idx: list[int] = field(default_factory=list)
+    loader_position: list[Optional[int]] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+    skipped: list[tuple[bool, ...]] = field(default_factory=list)
+    lr: list[tuple[float, ...]] = field(default_factory=list)
+    #: the scaler's state when training started (after a checkpoint was loaded)
+    scaler_at_start: Optional[dict] = None
+
+    def after(self, index: int) -> dict[str, list]:
+        """The per-batch records from global batch ``index`` on (``skipped`` is empty under stock: no signal)."""
+        keep = [i for i, j in enumerate(self.index) if j >= index]
+        names = ("index", "scale", "skipped", "lr") if self.skipped else ("index", "scale", "lr")
+        return {name: [getattr(self, name)[i] for i in keep] for name in names}
+
+
+@functools.lru_cache(maxsize=None)
+def recorder_class(package: str) -> type:
+    pl = lightning_api(package).pl
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.trajectory = Trajectory()
+
+        def on_train_start(self, trainer, pl_module):
+            self.trajectory.scaler_at_start = trainer.precision_plugin.scaler.state_dict()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            t = self.trajectory
+            t.index.append(trainer.fit_loop.total_batch_idx)
+            t.epoch.append(trainer.current_epoch)
+            t.batch_idx.append(batch_idx)
+            t.loader_position.append(int(batch) if isinstance(batch, torch.Tensor) else None)
+            t.scale.append(trainer.precision_plugin.scaler.get_scale())
+            optimizers = trainer.strategy._lightning_optimizers
+            if hasattr(optimizers[0], "step_was_skipped"):
+                t.skipped.append(tuple(opt.step_was_skipped for opt in optimizers))
+            t.lr.append(tuple(opt.param_groups[0]["lr"] for opt in trainer.optimizers))
+
+    return Record
+
+
+@dataclass
+class End:
+    """The end of a run: everything that must be bitwise equal."""
+
+    params: dict[str, torch.Tensor]
+    optimizers: list[dict]
+    schedulers: list[dict]
+    scaler: dict
+    global_step: int
+    trajectory: Trajectory
+
+
+def make_trainer(package: str, case: Case, callbacks=(), **kwargs: Any):
+    api = lightning_api(package)
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": TOTAL * case.steps_per_batch,
+        "logger": False,
+        # only the ModelCheckpoint a case passes, none by default
+        "enable_checkpointing": any(isinstance(cb, api.pl.callbacks.ModelCheckpoint) for cb in callbacks),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        **kwargs,
+    }
+    plugin = api.MixedPrecision("16-mixed", "cpu", scaler=new_scaler())  # "16-mixed" alone is bf16 on CPU
+    return api.Trainer(plugins=[plugin], callbacks=list(callbacks), **kwargs)
+
+
+def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **kwargs: Any) -> End:
+    record = recorder_class(package)()
+    trainer = make_trainer(package, case, callbacks=[record, *callbacks], **kwargs)
+    model = module_class(package)(case)
+    loader = loader if loader is not None else (ResumableBatches() if case.loader_data else Positions())
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return End(
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+        optimizers=[opt.state_dict() for opt in trainer.optimizers],
+        schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        scaler=trainer.precision_plugin.scaler.state_dict(),
+        global_step=trainer.global_step,
+        trajectory=record.trajectory,
+    )
+
+
+def checkpointing(package: str, dirpath: Path, case: Case):
+    return lightning_api(package).pl.callbacks.ModelCheckpoint(
+        dirpath=dirpath, filename="{step}", every_n_train_steps=case.steps_per_batch, save_top_k=-1
+    )
+
+
+def checkpoint_after(dirpath: Path, case: Case, batches: int) -> Path:
+    return dirpath / f"step={batches * case.steps_per_batch}.ckpt"
+
+
+def assert_equal_state(actual: Any, expected: Any, where: str = "") -> None:
+    """Nested dicts/lists of tensors and plain values, tensors bitwise (dtype included)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert torch.equal(actual, expected), f"{where}: max abs diff {(actual - expected).abs().max().item()}"
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_equal_state(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_equal_state(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def assert_same_end(resumed: End, uninterrupted: End, resumed_after: int) -> None:
+    assert resumed.global_step == uninterrupted.global_step
+    assert_equal_state(resumed.params, uninterrupted.params, "params")
+    assert_equal_state(resumed.optimizers, uninterrupted.optimizers, "optimizer")
+    assert_equal_state(resumed.schedulers, uninterrupted.schedulers, "scheduler")
+    assert resumed.scaler == uninterrupted.scaler
+    # and on the way there: the resumed run did batch by batch what the uninterrupted run did
+    assert resumed.trajectory.index == list(range(resumed_after, TOTAL))
+    assert resumed.trajectory.after(resumed_after) == uninterrupted.trajectory.after(resumed_after)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``case -> (End, checkpoint folder)`` of the uninterrupted run, computed once per case."""
+    runs = {}
+
+    def get(case: Case):
+        if case not in runs:
+            dirpath = tmp_path_factory.mktemp(str(case))
+            runs[case] = (fit("lightning", case, callbacks=[checkpointing("lightning", dirpath, case)]), dirpath)
+        return runs[case]
+
+    return get
+
+
+def _sanity(end: End, case: Case) -> None:
+    """The uninterrupted run exercises what the resume cases claim to cover."""
+    t = end.trajectory
+    assert t.index == list(range(TOTAL))
+    assert t.skipped == [(i in case.forced,) * case.optimizers for i in range(TOTAL)]
+    assert end.scaler["growth_interval"] == GROWTH_INTERVAL
+
+
+@pytest.mark.parametrize("resume_after", RESUME_AFTER)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_resume_is_bitwise_the_uninterrupted_run(case, resume_after, uninterrupted):
+    reference, dirpath = uninterrupted(case)
+    _sanity(reference, case)
+    checkpoint = torch.load(checkpoint_after(dirpath, case, resume_after), weights_only=False)
+    # the scaler state in the checkpoint is the one after the saved batch's single update
+    assert checkpoint["MixedPrecision"]["scale"] == reference.trajectory.scale[resume_after - 1]
+    assert checkpoint["global_step"] == resume_after * case.steps_per_batch
+
+    resumed = fit("lightning", case, ckpt_path=checkpoint_after(dirpath, case, resume_after))
+    assert resumed.trajectory.scaler_at_start == checkpoint["MixedPrecision"]
+    assert_same_end(resumed, reference, resume_after)
+    if resume_after % BATCHES_PER_EPOCH:
+        # mid-epoch: stock Lightning restarted the non-resumable loader from its first position (see the docstring);
+        # only because the data is keyed by the global batch index is this the same run
+        assert resumed.trajectory.loader_position[0] == 0
+        assert resumed.trajectory.batch_idx[0] == resume_after % BATCHES_PER_EPOCH
+    else:
+        assert resumed.trajectory.epoch[0] == resume_after // BATCHES_PER_EPOCH
+        assert resumed.trajectory.batch_idx[0] == 0
+
+
+def test_save_points_cover_the_scaler_state(uninterrupted):
+    """The checkpoints the resume cases start from hold backed-off scales and a non-zero growth tracker."""
+    case = CASES[0]
+    _, dirpath = uninterrupted(case)
+    states = {
+        k: torch.load(checkpoint_after(dirpath, case, k), weights_only=False)["MixedPrecision"] for k in RESUME_AFTER
+    }
+    assert states[2]["scale"] == INIT_SCALE / 2  # batch 1 skipped, batch 2 will be
+    assert states[3]["scale"] == INIT_SCALE / 4  # two skips in a row
+    assert states[4]["scale"] == INIT_SCALE / 4 and states[4]["_growth_tracker"] == 1  # the next clean step grows
+    assert states[5]["scale"] == INIT_SCALE / 2 and states[5]["_growth_tracker"] == 0  # grown; the next step skips
+    assert {state["growth_interval"] for state in states.values()} == {GROWTH_INTERVAL}
+
+
+@pytest.mark.parametrize("lost", ["growth tracker", "scaler state"])
+def test_a_lost_scaler_state_would_be_caught(lost, uninterrupted):
+    """Self-check of the harness: a resume that forgot the growth tracker, or the whole scaler state, fails it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    case = CASES[0]
+    reference, dirpath = uninterrupted(case)
+    load = MixedPrecision.load_state_dict
+
+    def forgetful_load(self, state):
+        if lost == "growth tracker":
+            load(self, {**state, "_growth_tracker": 0})
+
+    with mock.patch.object(MixedPrecision, "load_state_dict", forgetful_load):
+        resumed = fit("lightning", case, ckpt_path=checkpoint_after(dirpath, case, 4))  # tracker 1 there
+    # the wrong scale shows in the scaler's state and trajectory, and already in the optimizer state: fp16 gradients
+    # that are small enough to round differently at a different scale
+    with pytest.raises(AssertionError):
+        assert_same_end(resumed, reference, 4)
+    assert resumed.scaler != reference.scaler
+
+
+def test_stateful_loader_resumes_in_place(tmp_path):
+    """With a sized resumable loader, the model can train on the loader's own batches and still resume bitwise."""
+    case = Case("automatic", loader_data=True)
+    reference = fit("lightning", case, callbacks=[checkpointing("lightning", tmp_path, case)])
+    _sanity(reference, case)
+    for resume_after in (2, 4):
+        resumed = fit("lightning", case, ckpt_path=checkpoint_after(tmp_path, case, resume_after))
+        assert_same_end(resumed, reference, resume_after)
+    saved = torch.load(checkpoint_after(tmp_path, case, 2), weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 2}]
+
+
+def test_unsized_resumable_loader_is_saved_one_batch_ahead(tmp_path):
+    """Stock 2.6.6 prefetches one batch from a loader without ``__len__``: its state, saved after batch 2, is after
+    batch 3, and a resumed run would skip batch 2 (why the sized loader above is the one that resumes in place)."""
+    case = Case("automatic", loader_data=True)
+    fit(
+        "lightning",
+        case,
+        loader=UnsizedResumableBatches(),
+        max_steps=3,
+        callbacks=[checkpointing("lightning", tmp_path, case)],
+    )
+    saved = torch.load(checkpoint_after(tmp_path, case, 2), weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 3}]
+
+
+@pytest.mark.parametrize(
+    ("first", "resumed_at"),
+    [
+        ({"max_epochs": 1, "max_steps": -1}, (1, BATCHES_PER_EPOCH)),
+        ({"max_steps": 4}, (1, BATCHES_PER_EPOCH)),
+        ({"max_steps": 6}, (2, 2)),
+    ],
+    ids=["max_epochs=1", "max_steps=4", "max_steps=6"],
+)
+def test_save_checkpoint_after_fit(first, resumed_at, tmp_path):
+    """``trainer.save_checkpoint`` after a finished ``fit``, then ``fit(ckpt_path=...)`` to ``TOTAL`` batches."""
+    case = CASES[0]
+    reference = fit("lightning", case)
+    record = recorder_class("lightning")()
+    trainer = make_trainer("lightning", case, callbacks=[record], **first)
+    trainer.fit(module_class("lightning")(case), train_dataloaders=Positions())
+    trainer.save_checkpoint(tmp_path / "first.ckpt")
+    done = len(record.trajectory.index)
+    assert done == (BATCHES_PER_EPOCH if first["max_steps"] == -1 else first["max_steps"])
+
+    resumed = fit("lightning", case, ckpt_path=tmp_path / "first.ckpt")
+    assert_same_end(resumed, reference, done)
+    # where stock 2.6.6 puts the first resumed batch (see the module docstring), against the uninterrupted run
+    assert (resumed.trajectory.epoch[0], resumed.trajectory.batch_idx[0]) == resumed_at
+    assert (reference.trajectory.epoch[done], reference.trajectory.batch_idx[done]) == divmod(done, BATCHES_PER_EPOCH)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# checkpoints of the unpatched pytorch_lightning 2.6.6 and of the fork
+# ----------------------------------------------------------------------------------------------------------------------
+
+#: no skip before the save point (stock would have moved its scheduler on it), one after it
+COMPAT = Case("automatic", forced=(5,))
+COMPAT_SAVE_AFTER = 3  # the growth tracker is 1 there
+
+
+@pytest.fixture(scope="module")
+def compat_runs(tmp_path_factory):
+    """Uninterrupted runs of ``COMPAT`` with per-batch checkpoints, by stock and by the fork."""
+    runs = {}
+    for package in ("pytorch_lightning", "lightning"):
+        dirpath = tmp_path_factory.mktemp(package)
+        runs[package] = (fit(package, COMPAT, callbacks=[checkpointing(package, dirpath, COMPAT)]), dirpath)
+    return runs
+
+
+def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
+    checkpoints = {
+        package: torch.load(checkpoint_after(dirpath, COMPAT, COMPAT_SAVE_AFTER), weights_only=False)
+        for package, (_, dirpath) in compat_runs.items()
+    }
+    stock, fork = checkpoints["pytorch_lightning"], checkpoints["lightning"]
+    assert stock.keys() == fork.keys()
+    assert stock["MixedPrecision"] == fork["MixedPrecision"]
+    assert fork["MixedPrecision"]["_growth_tracker"] == 1
+    # before the first skip stock and fork train alike: the saved prefix is the same
+    assert_equal_state(fork["state_dict"], stock["state_dict"], "state_dict")
+    assert_equal_state(fork["optimizer_states"], stock["optimizer_states"], "optimizer_states")
+    assert fork["lr_schedulers"] == stock["lr_schedulers"]
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "resumed_by"), [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")]
+)
+def test_resume_across_stock_and_fork(saved_by, resumed_by, compat_runs):
+    """A checkpoint of one resumes in the other, scaler state included, and continues as the resuming package's own
+    uninterrupted run (they differ after the skip at batch 5: stock moves its scheduler on it)."""
+    _, dirpath = compat_runs[saved_by]
+    reference, _ = compat_runs[resumed_by]
+    checkpoint = checkpoint_after(dirpath, COMPAT, COMPAT_SAVE_AFTER)
+    resumed = fit(resumed_by, COMPAT, ckpt_path=checkpoint)
+    assert resumed.trajectory.scaler_at_start == torch.load(checkpoint, weights_only=False)["MixedPrecision"]
+    assert_same_end(resumed, reference, COMPAT_SAVE_AFTER)
+
+
+def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
+    """The fork's ``LossScaleMonitor`` adds a callback state that stock does not know: stock warns and resumes."""
+    from lightning.pytorch.callbacks import LossScaleMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    fork = make_trainer(
+        "lightning", COMPAT, max_steps=COMPAT_SAVE_AFTER, logger=CSVLogger(tmp_path), callbacks=[LossScaleMonitor()]
+    )
+    fork.fit(module_class("lightning")(COMPAT), train_dataloaders=Positions())
+    fork.save_checkpoint(tmp_path / "fork.ckpt")
+    assert "LossScaleMonitor" in torch.load(tmp_path / "fork.ckpt", weights_only=False)["callbacks"]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit("pytorch_lightning", COMPAT, ckpt_path=tmp_path / "fork.ckpt")
+    assert any("LossScaleMonitor" in str(w.message) for w in caught)
+    assert resumed.global_step == TOTAL
+    assert resumed.trajectory.scaler_at_start["scale"] == INIT_SCALE * 2  # grown once in 3 clean steps
