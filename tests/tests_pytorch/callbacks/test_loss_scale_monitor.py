@@ -258,11 +258,6 @@ def test_skipped_steps_survive_a_resume(tmp_path):
     assert monitor.state_dict() == {"skipped_steps": len(FORCED)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="implementation bug: LossScaleMonitor counts its logging interval in batches seen by this `fit` call"
-    " (`self._batches`), not by the trainer's batch counter, so after a resume it logs on a shifted cadence",
-)
 def test_logging_cadence_survives_a_resume(tmp_path):
     """With ``log_every_n_steps=3`` the uninterrupted run logs after batches 3 and 6 (steps 2 and 5); resumed after 4
     batches it must log at step 5 as well, like Lightning's own logging does (measured: it logs at step 6)."""

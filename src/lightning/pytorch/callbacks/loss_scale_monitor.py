@@ -72,7 +72,6 @@ class LossScaleMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.history: dict[str, list[float]] = {"loss_scale": [], "skipped_steps": []}
         self._skipped_before_resume = 0
-        self._batches = 0
         self._plugin: Optional["MixedPrecision"] = None
 
     @override
@@ -83,19 +82,21 @@ class LossScaleMonitor(Callback):
             )
         if _scaling_plugin(trainer) is None:
             plugin = trainer.precision_plugin
+            precision = getattr(plugin, "precision", "?")
             raise MisconfigurationException(
-                f"`LossScaleMonitor` needs a gradient scaler, but the precision plugin {type(plugin).__name__} has none:"
-                " only `precision='16-mixed'` scales the loss and skips steps. Remove the callback for bf16-mixed"
-                " and 32-bit training."
+                f"`LossScaleMonitor` needs a gradient scaler, but the precision plugin {type(plugin).__name__}"
+                f" (precision={precision!r}) has none: only float16 mixed precision scales the loss and skips steps."
+                " Remove the callback for bf16-mixed and 32-bit training. On a CPU, `precision='16-mixed'` becomes"
+                " bf16; pass `plugins=[MixedPrecision('16-mixed', 'cpu', scaler=torch.amp.GradScaler('cpu'))]`."
             )
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batches += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if self._batches % every != 0:
+        # the loop's own batch counter, restored on resume, keeps the cadence of an uninterrupted run
+        if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every != 0:
             return
         stats = self._stats(trainer)
         for key, value in stats.items():

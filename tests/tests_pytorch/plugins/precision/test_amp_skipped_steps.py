@@ -371,12 +371,6 @@ def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
     assert [w for w in record.warnings if SCHEDULER_BEFORE_OPTIMIZER in w]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="implementation bug: `GradScalerRecipe` keeps an optimizer's last inf check through a batch without a step"
-    " (training_step returned None), so `step_was_skipped` is stale and the scheduler's move depends on the batch"
-    " before",
-)
 def test_scheduler_on_a_batch_without_step_does_not_depend_on_the_previous_batch():
     """A ``training_step`` that returns ``None`` makes no optimizer step. Whether the step scheduler advances on that
     batch is a decision (stock: it advances); it must not depend on whether the *previous* batch's step was skipped.

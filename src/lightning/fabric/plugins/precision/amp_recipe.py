@@ -141,6 +141,10 @@ class GradScalerRecipe:
             self._iteration_found_infs.append(found_inf)
         return output
 
+    def record_no_step(self, optimizer: Optimizer) -> None:
+        """Note that ``optimizer`` did not step this iteration (nothing to step on): no step of it was skipped."""
+        self._found_inf.pop(id(optimizer), None)
+
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
 
