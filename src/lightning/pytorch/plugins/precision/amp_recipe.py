@@ -1,0 +1,240 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The Trainer's side of PyTorch's AMP recipe, shared by the precision plugins that autocast and scale.
+
+:class:`~lightning.pytorch.plugins.precision.MixedPrecision` and
+:class:`~lightning.pytorch.plugins.precision.FSDPPrecision` both run forward code under autocast and may hold a
+gradient scaler. :class:`_AMPRecipePrecision` is their one implementation of everything around the forward code:
+backward, clipping and the optimizer step with autocast off, a closure's forward under autocast again, autocast's weight
+cache cleared after each step, and the scaler driven through
+:class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe` (unscale once before gradients are read, one
+update per training batch, the skip signal).
+"""
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe, _autocast_enabled
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
+from lightning.pytorch.plugins.precision.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+
+class _AMPRecipePrecision(Precision):
+    """Backward, clipping and optimizer steps of a precision plugin that autocasts forward code and may scale the loss.
+
+    Subclasses set ``scaler`` (a ``GradScaler`` or ``None``), ``precision``, ``cache_enabled`` (whether their autocast
+    caches casts, which must then be cleared after each step) and ``_autocast_device``, and call
+    :meth:`_init_amp_recipe` in ``__init__``.
+
+    """
+
+    scaler: Optional["torch.amp.GradScaler"]
+    cache_enabled: bool
+
+    @property
+    def _autocast_device(self) -> str:
+        raise NotImplementedError
+
+    def _init_amp_recipe(self) -> None:
+        self._scaler_recipe: Optional[GradScalerRecipe] = None
+        self._lightning_optimizers: list[LightningOptimizer] = []
+        # scaled backward passes so far, and their count at each optimizer's last step (misuse check, manual mode)
+        self._scaled_backwards = 0
+        self._scaled_backwards_at_step: dict[int, int] = {}
+
+    @property
+    def _recipe(self) -> GradScalerRecipe:
+        assert self.scaler is not None
+        if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
+            self._scaler_recipe = GradScalerRecipe(self.scaler)
+        return self._scaler_recipe
+
+    def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[LightningOptimizer, ...]]:
+        """The ``torch.optim`` optimizer and the ``LightningOptimizer`` wrappers a user may have unscaled it through."""
+        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        wrappers = {id(w): w for w in self._lightning_optimizers if w.optimizer is raw}
+        if isinstance(optimizer, LightningOptimizer):
+            wrappers[id(optimizer)] = optimizer
+        return raw, tuple(wrappers.values())
+
+    @contextmanager
+    def _outside_forward_context(self) -> Generator[None, None, None]:
+        """Leave the forward context for the parts of a ``training_step`` that are not forward code.
+
+        In automatic optimization these already run outside it and nothing changes.
+
+        """
+        if not _autocast_enabled(self._autocast_device):
+            yield
+            return
+        with torch.autocast(self._autocast_device, enabled=False):
+            yield
+
+    def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
+        with self.forward_context():
+            return closure()
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+        self._lightning_optimizers = module.trainer.strategy._lightning_optimizers
+        with self._outside_forward_context():
+            if self.scaler is not None:
+                tensor = self._recipe.scale(tensor)
+                self._scaled_backwards += 1
+            return super().pre_backward(tensor, module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self,
+        tensor: Tensor,
+        model: "pl.LightningModule",
+        optimizer: Optional[Optimizable],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        with self._outside_forward_context():
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+        with self._outside_forward_context():
+            return super().post_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: "pl.LightningModule",
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if not model.automatic_optimization and closure is not do_nothing_closure:
+            # the user's closure holds forward code: it runs under autocast as the `training_step` body does
+            closure = partial(self._in_forward_context, closure)
+        with self._outside_forward_context():
+            output = self._optimizer_step(optimizer, model, closure, **kwargs)
+        if self.cache_enabled:
+            # the step changed the weights in place: casts cached before it are stale
+            torch.clear_autocast_cache()
+        return output
+
+    def _optimizer_step(
+        self,
+        optimizer: Optimizable,
+        model: "pl.LightningModule",
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.scaler is None:
+            # skip scaler logic, as bfloat16 does not require scaler
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException(
+                "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
+                " several times per step and reads the gradients in between, which the scaler cannot unscale."
+                " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
+            )
+        closure_result = closure()
+        if not model.automatic_optimization:
+            self._check_scaled_backward(optimizer)
+
+        # If backward was skipped in automatic optimization (return None), unscaling is not needed
+        skip_unscaling = closure_result is None and model.automatic_optimization
+
+        self._lightning_optimizers = model.trainer.strategy._lightning_optimizers
+        optimizer, wrappers = self._unwrap(optimizer)
+        if not skip_unscaling:
+            # Unscaling needs to be performed here in case we are going to apply gradient clipping.
+            # Fused optimizers are unscaled like any other: since torch 2.1 `GradScaler.step` then tells them not to
+            # unscale again. Only optimizers that unscale inside `step()` by themselves are left scaled.
+            # Note: `unscale` happens after the closure is executed, but before the `on_before_optimizer_step` hook.
+            self._recipe.unscale(optimizer, wrappers, required=False)
+
+        self._after_closure(model, optimizer)
+
+        # in manual optimization, the closure does not return a value
+        if not skip_unscaling:
+            # note: the scaler will skip the `optimizer.step` if nonfinite gradients are found; `scaler.update()`
+            # follows in `training_iteration_end`, after the last step of the batch
+            return self._recipe.step(optimizer, wrappers, **kwargs)
+        self._recipe.record_no_step(optimizer)
+        return closure_result
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        with self._outside_forward_context():
+            if clip_val > 0 and self.scaler is not None:
+                # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
+                self._recipe.unscale(*self._unwrap(optimizer))
+            super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def _check_scaled_backward(self, optimizer: Optimizer) -> None:
+        """Refuse to step on gradients that no ``manual_backward`` produced since this optimizer's last step.
+
+        Such gradients were not multiplied by the loss scale, so the step would divide them by it and silently freeze
+        training.
+
+        """
+        key = id(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
+        if self._scaled_backwards == self._scaled_backwards_at_step.get(key, 0) and any(
+            p.grad is not None for group in optimizer.param_groups for p in group["params"]
+        ):
+            raise RuntimeError(
+                f"`{type(optimizer).__name__}.step()` was called on gradients that `self.manual_backward(loss)` did not"
+                f" compute: with precision={self.precision!r} the loss must be multiplied by the gradient scaler's scale"
+                " before backward, and the step divides the gradients by it. Call `self.manual_backward(loss)` instead"
+                " of `loss.backward()` (or `torch.autograd.backward`) in `training_step`. The step was not taken."
+            )
+        self._scaled_backwards_at_step[key] = self._scaled_backwards
+
+    @override
+    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
+        if self.scaler is None:
+            return False
+        return self._recipe.step_was_skipped(self._unwrap(optimizer)[0])
+
+    @override
+    def training_iteration_end(self) -> None:
+        if self.scaler is not None:
+            self._recipe.update()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is not None:
+            # a pending update belongs to the iteration being saved: a resumed run must not miss it
+            self._recipe.update()
+            return self.scaler.state_dict()
+        return {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
+
