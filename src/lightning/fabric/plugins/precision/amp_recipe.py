@@ -132,6 +132,7 @@ class GradScalerRecipe:
             return optimizer.step(**kwargs)
         self._adopt_state(optimizer, aliases)
         _protect_fused_sgd_momentum(optimizer)
+        self._check_fused_can_read_inf_checks(optimizer)
         output = self.scaler.step(optimizer, **kwargs)
         self._update_pending = True
         found_infs = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
@@ -140,6 +141,24 @@ class GradScalerRecipe:
             self._found_inf[id(optimizer)] = found_inf
             self._iteration_found_infs.append(found_inf)
         return output
+
+    def _check_fused_can_read_inf_checks(self, optimizer: Optimizer) -> None:
+        """Refuse what torch cannot do: a fused optimizer fed the 1-element inf checks of a ``ShardedGradScaler``.
+
+        Fused kernels subtract the scaler's ``found_inf`` from their 0-dim step counters; ``ShardedGradScaler`` (FSDP)
+        records it with shape ``[1]``, and torch fails inside the step ("output with shape [] doesn't match the
+        broadcast shape [1]") after some state may already have changed.
+        """
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        found_infs = [] if state is None else state["found_inf_per_device"].values()
+        if any(found_inf.dim() != 0 for found_inf in found_infs):
+            raise RuntimeError(
+                f"The fused optimizer {type(optimizer).__qualname__} cannot step with {type(self.scaler).__name__}:"
+                " torch's sharded scaler records its inf check with shape [1], which fused kernels cannot read. Use"
+                " `fused=False` (the foreach implementation) with FSDP under 16-mixed, or bf16-mixed."
+            )
 
     def record_no_step(self, optimizer: Optimizer) -> None:
         """Note that ``optimizer`` did not step this iteration (nothing to step on): no step of it was skipped."""

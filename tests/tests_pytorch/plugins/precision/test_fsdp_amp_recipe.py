@@ -1,0 +1,214 @@
+"""``FSDPPrecision`` shares ``MixedPrecision``'s AMP recipe (``_AMPRecipePrecision``) and accepts the user's scaler.
+
+FSDP's own sharding needs CUDA in Lightning, and ``FSDPPrecision`` autocasts on ``"cuda"`` only, so on a CPU these tests
+drive the plugin's scaler logic through a plain single-device Trainer with a ``ShardedGradScaler`` (which needs a
+process group: a one-process gloo group). Autocast is then off (CUDA autocast does nothing to CPU tensors), so the
+reference is PyTorch's recipe without autocast: scale, backward, unscale, clip, step every optimizer, one update.
+The end-to-end check with the FSDP strategy and fp16 autocast runs only where CUDA is available.
+"""
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import FSDPPrecision
+
+INIT_SCALE = 2.0**10
+INF_AT = 2
+CLIP_VALUE = 0.004
+N_BATCHES = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_process_group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(N_BATCHES)]
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    xs, ys = zip(*_data())
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=4)
+
+
+def _nets() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Linear(8, 16), nn.Linear(16, 4)
+
+
+def _optimizers(first: nn.Module, second: nn.Module, fused: bool) -> list[torch.optim.Optimizer]:
+    return [
+        torch.optim.AdamW(first.parameters(), lr=1e-2, fused=fused),
+        torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9, fused=fused),
+    ]
+
+
+def _loss(first: nn.Module, second: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    loss = nn.functional.mse_loss(second(torch.relu(first(x))), y)
+    return loss * float("inf") if batch_idx == INF_AT else loss
+
+
+def _scaler() -> ShardedGradScaler:
+    return ShardedGradScaler(device="cpu", init_scale=INIT_SCALE, growth_interval=1)
+
+
+def _recipe(fused: bool) -> tuple[list[torch.Tensor], list[float]]:
+    first, second = _nets()
+    optimizers = _optimizers(first, second, fused)
+    scaler, scales = _scaler(), []
+    for batch_idx, (x, y) in enumerate(_data()):
+        for opt in optimizers:
+            opt.zero_grad()
+        scaler.scale(_loss(first, second, x, y, batch_idx)).backward()
+        for opt, net in zip(optimizers, (first, second)):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_(net.parameters(), CLIP_VALUE)
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return [p.detach() for p in (*first.parameters(), *second.parameters())], scales
+
+
+class TwoOptimizersOneBackward(LightningModule):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first, self.second = _nets()
+        self.fused = fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizers = self.optimizers()
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(_loss(self.first, self.second, x, y, batch_idx))
+        for opt in optimizers:
+            self.clip_gradients(opt, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
+        for opt in optimizers:
+            opt.step()
+
+    def configure_optimizers(self):
+        return _optimizers(self.first, self.second, self.fused)
+
+    def train_dataloader(self):
+        return _loader()
+
+
+class RecordScale(Callback):
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def _fit(model: LightningModule, record: Callback) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        trainer = Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            plugins=[FSDPPrecision("16-mixed", scaler=_scaler())],
+            callbacks=[record],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+
+
+def test_fsdp_precision_follows_the_recipe():
+    record = RecordScale()
+    model = TwoOptimizersOneBackward(fused=False)
+    _fit(model, record)
+    expected_params, expected_scales = _recipe(fused=False)
+    # one update per batch although two optimizers step: the inf batch halves the scale once
+    assert record.scales == expected_scales
+    assert expected_scales[INF_AT] == expected_scales[INF_AT - 1] / 2
+    for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
+        assert torch.equal(actual, expected)
+
+
+def test_fused_optimizer_with_sharded_scaler_is_refused_before_the_step():
+    """torch's fused kernels cannot read ``ShardedGradScaler``'s 1-element inf checks; the plain recipe fails inside the
+    step, the plugin says why before anything changes."""
+    with pytest.raises(RuntimeError, match="shape"):
+        _recipe(fused=True)
+    model = TwoOptimizersOneBackward(fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"cannot step with ShardedGradScaler.*fused=False"):
+        _fit(model, RecordScale())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_fsdp_precision_keeps_the_users_scaler():
+    scaler = _scaler()
+    assert FSDPPrecision("16-mixed", scaler=scaler).scaler is scaler
+    assert isinstance(FSDPPrecision("16-mixed").scaler, ShardedGradScaler)
+    with pytest.raises(ValueError, match="does not use a scaler"):
+        FSDPPrecision("bf16-mixed", scaler=scaler)
+
+
+def test_stock_fsdp_precision_refuses_any_scaler():
+    """Negative control: upstream 2.6.6 raises for every user-provided scaler (#19803)."""
+    stock = pytest.importorskip("pytorch_lightning.plugins.precision")
+    import pytorch_lightning
+
+    if pytorch_lightning.__version__ != "2.6.6":
+        pytest.skip("the negative control is about stock 2.6.6")
+    with pytest.raises(ValueError, match="does not use a scaler"):
+        stock.FSDPPrecision("16-mixed", scaler=_scaler())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP with fp16 autocast needs CUDA")
+def test_fsdp_strategy_manual_clip_on_cuda():
+    """With the FSDP strategy and fp16 autocast on one GPU, manual value clipping sees unscaled gradients."""
+    seen = []
+
+    class Clip(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch[0]).float().pow(2).mean())
+            self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
+            seen.append(max(p.grad.abs().max().item() for p in self.parameters()))
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return _loader()
+
+    trainer = Trainer(
+        accelerator="cuda", devices=1, strategy="fsdp", precision="16-mixed", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Clip())
+    assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
