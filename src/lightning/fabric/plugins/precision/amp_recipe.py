@@ -16,17 +16,24 @@
 The recipe (torch's "Automatic Mixed Precision examples"): ``scaler.scale(loss).backward()``; ``scaler.unscale_(opt)``
 before anything reads gradients; ``scaler.step(opt)`` for every optimizer; ``scaler.update()`` once per iteration, after
 the last step. :class:`GradScalerRecipe` is the one place in Lightning that drives a scaler through it, so the Trainer's
-and Fabric's precision plugins cannot drift apart.
+and Fabric's precision plugins cannot drift apart; :class:`_AMPRecipePrecision` is Fabric's plugins' use of it.
 """
 
 import inspect
 import operator
+import weakref
 from typing import Any, Optional
 
 import torch
 from lightning_utilities.core.imports import compare_version
+from torch import Tensor
 from torch.amp.grad_scaler import OptState
-from torch.optim import SGD, Optimizer
+from torch.nn import Module
+from torch.optim import LBFGS, SGD, Optimizer
+from typing_extensions import override
+
+from lightning.fabric.plugins.precision.precision import Precision
+from lightning.fabric.utilities.types import Optimizable
 
 # Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
 _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
@@ -245,3 +252,80 @@ def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
             )
         for p in missing:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class _AMPRecipePrecision(Precision):
+    """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
+    ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
+
+    Fabric has no end-of-iteration hook, so the single ``scaler.update()`` of an iteration is applied right before the
+    next ``fabric.backward()`` scales a loss, or before the scaler's state is saved: several optimizers fed by one
+    backward are all unscaled with the scale that scaled their gradients. Subclasses set ``scaler`` and call
+    :meth:`_init_amp_recipe` in ``__init__``.
+
+    """
+
+    scaler: Optional[torch.amp.GradScaler]
+
+    def _init_amp_recipe(self) -> None:
+        self._scaler_recipe: Optional[GradScalerRecipe] = None
+        self._optimizer_wrappers: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def _recipe(self) -> GradScalerRecipe:
+        assert self.scaler is not None
+        if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
+            self._scaler_recipe = GradScalerRecipe(self.scaler)
+        return self._scaler_recipe
+
+    def _aliases(self, optimizer: Optimizer) -> tuple[Any, ...]:
+        return tuple(w for w in self._optimizer_wrappers if w.optimizer is optimizer)
+
+    @override
+    def track_optimizer_wrapper(self, wrapper: Any) -> None:
+        self._optimizer_wrappers.add(wrapper)
+
+    @override
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            # the last iteration's single update comes before this one's scaling
+            self._recipe.update()
+            tensor = self._recipe.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise TypeError(
+                "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
+                " several times per step and reads the gradients in between, which the scaler cannot unscale."
+                " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
+            )
+        # the scaler skips the step if the gradients hold inf/NaN
+        return self._recipe.step(optimizer, self._aliases(optimizer), **kwargs)  # type: ignore[arg-type]
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None:
+            self._recipe.unscale(optimizer, self._aliases(optimizer))
+
+    @override
+    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
+        if self.scaler is None:
+            return False
+        return self._recipe.step_was_skipped(optimizer)  # type: ignore[arg-type]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is not None:
+            # a pending update belongs to the iteration being saved: a resumed run must not miss it
+            self._recipe.update()
+            return self.scaler.state_dict()
+        return {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
