@@ -212,3 +212,32 @@ def test_fsdp_strategy_manual_clip_on_cuda():
     )
     trainer.fit(Clip())
     assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
+
+
+def test_fabric_fsdp_precision_follows_the_recipe():
+    """Fabric's ``FSDPPrecision`` shares Fabric's ``MixedPrecision`` recipe: one update per iteration for two optimizers
+    fed by one backward, value clipping on unscaled gradients, the inf step skipped."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFSDPPrecision("16-mixed", scaler=_scaler())])
+        first, second = _nets()
+        optimizers = _optimizers(first, second, fused=False)
+        (first, opt_first), (second, opt_second) = fabric.setup(first, optimizers[0]), fabric.setup(second, optimizers[1])
+        scaler, scales = fabric.strategy.precision.scaler, []
+        for batch_idx, (x, y) in enumerate(_data()):
+            opt_first.zero_grad()
+            opt_second.zero_grad()
+            fabric.backward(_loss(first, second, x, y, batch_idx))
+            for net, opt in ((first, opt_first), (second, opt_second)):
+                fabric.clip_gradients(net, opt, clip_val=CLIP_VALUE)
+            opt_first.step()
+            opt_second.step()
+            assert opt_first.step_was_skipped == opt_second.step_was_skipped == (batch_idx == INF_AT)
+            scales.append(fabric.strategy.precision.state_dict()["scale"])  # applies the iteration's update
+    expected_params, expected_scales = _recipe(fused=False)
+    assert scales == expected_scales
+    params = [p.detach() for p in (*first.parameters(), *second.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(params, expected_params))
