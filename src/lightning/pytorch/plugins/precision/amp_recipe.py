@@ -124,63 +124,48 @@ class _AMPRecipePrecision(Precision):
 
     @override
     def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizable,
-        model: "pl.LightningModule",
-        closure: Callable[[], Any],
-        **kwargs: Any,
+        self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if not model.automatic_optimization and closure is not do_nothing_closure:
             # the user's closure holds forward code: it runs under autocast as the `training_step` body does
             closure = partial(self._in_forward_context, closure)
         with self._outside_forward_context():
-            output = self._optimizer_step(optimizer, model, closure, **kwargs)
+            if self.scaler is None:
+                output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            else:
+                output = self._scaled_optimizer_step(optimizer, model, closure, **kwargs)
         if self.cache_enabled:
             # the step changed the weights in place: casts cached before it are stale
             torch.clear_autocast_cache()
         return output
 
-    def _optimizer_step(
-        self,
-        optimizer: Optimizable,
-        model: "pl.LightningModule",
-        closure: Callable[[], Any],
-        **kwargs: Any,
+    def _scaled_optimizer_step(
+        self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if self.scaler is None:
-            # skip scaler logic, as bfloat16 does not require scaler
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException(
                 "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
                 " several times per step and reads the gradients in between, which the scaler cannot unscale."
                 " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
             )
-        closure_result = closure()
-        if not model.automatic_optimization:
+        automatic = model.automatic_optimization
+        loss = closure()  # in manual optimization the closure usually returns nothing
+        if not automatic:
             self._check_scaled_backward(optimizer)
-
-        # If backward was skipped in automatic optimization (return None), unscaling is not needed
-        skip_unscaling = closure_result is None and model.automatic_optimization
-
         self._lightning_optimizers = model.trainer.strategy._lightning_optimizers
         optimizer, wrappers = self._unwrap(optimizer)
-        if not skip_unscaling:
-            # Unscaling needs to be performed here in case we are going to apply gradient clipping.
-            # Fused optimizers are unscaled like any other: since torch 2.1 `GradScaler.step` then tells them not to
-            # unscale again. Only optimizers that unscale inside `step()` by themselves are left scaled.
-            # Note: `unscale` happens after the closure is executed, but before the `on_before_optimizer_step` hook.
+        # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on
+        steps = not (automatic and loss is None)
+        if steps:
+            # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
+            # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
             self._recipe.unscale(optimizer, wrappers, required=False)
-
         self._after_closure(model, optimizer)
-
-        # in manual optimization, the closure does not return a value
-        if not skip_unscaling:
-            # note: the scaler will skip the `optimizer.step` if nonfinite gradients are found; `scaler.update()`
-            # follows in `training_iteration_end`, after the last step of the batch
-            return self._recipe.step(optimizer, wrappers, **kwargs)
-        self._recipe.record_no_step(optimizer)
-        return closure_result
+        if not steps:
+            self._recipe.record_no_step(optimizer)
+            return loss
+        # the scaler skips the step on inf/NaN gradients; its one update follows in `training_iteration_end`
+        return self._recipe.step(optimizer, wrappers, **kwargs)
 
     @override
     def clip_gradients(
@@ -227,14 +212,13 @@ class _AMPRecipePrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.scaler is not None:
-            # a pending update belongs to the iteration being saved: a resumed run must not miss it
-            self._recipe.update()
-            return self.scaler.state_dict()
-        return {}
+        if self.scaler is None:
+            return {}
+        self._recipe.update()  # a pending update belongs to the iteration being saved: a resumed run must not miss it
+        return self.scaler.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
-
+        if self.scaler is None:
+            return
+        self.scaler.load_state_dict(state_dict)
