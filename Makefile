@@ -6,9 +6,9 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup install test demo bench tree export wheel clean
+.PHONY: setup install test demo docs bench tree export wheel clean
 
-$(VENV)/.deps: requirements/test.txt
+$(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)" -r requirements/test.txt
 	$(PY) -m pip install --quiet .
@@ -29,6 +29,11 @@ test: setup
 demo: setup
 	$(PY) -m pip install --quiet -r requirements/demo.txt
 	$(PY) examples/amp_demo.py
+
+## docs: the fork's documentation pages as HTML (build/docs/html), and every example on them run
+docs: setup
+	$(PY) -m sphinx -W --keep-going -q -b html docs/fork build/docs/html
+	$(PY) -m sphinx -W --keep-going -q -b doctest docs/fork build/docs/doctest
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
 tree:
