@@ -1,0 +1,121 @@
+"""What make_pr.py and upstream_test.py share: the two patch series, their headers, and git.
+
+Standard library only. Two series are read from this repository:
+
+``patches/``                   the fork's patches to upstream's package (``a/src/lightning/...``), the build's series
+``tools/upstream/test-patches/``  edits to upstream's *tests* that pin the behaviour our patches change on purpose
+                               (``a/tests/...``); upstream test code may not live in our ``tests/``, so these travel as
+                               patches, applied only to an upstream checkout (the PR branch, the upstream-test run)
+
+Both use a ``series`` file (one patch file name a line, ``#`` comments) and DEP-3-like headers.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SOURCE_PATCHES = REPO / "patches"
+TEST_PATCHES = HERE / "test-patches"
+
+_FIELD = re.compile(r"^([A-Z][A-Za-z-]*):\s?(.*)$")
+_TARGET = re.compile(r"^\+\+\+ b/(\S+)")
+
+
+class Failure(Exception):
+    """A step failed; the message says what and where, for a person to act on."""
+
+
+@dataclass
+class SeriesPatch:
+    path: Path
+    header: str  # everything before the diff
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def stem(self) -> str:
+        return self.name[: -len(".patch")] if self.name.endswith(".patch") else self.name
+
+    def fields(self) -> dict[str, str]:
+        """DEP-3 fields; continuation lines (starting with a space) are joined to their field with newlines."""
+        out: dict[str, str] = {}
+        key = None
+        for line in self.header.splitlines():
+            if line.startswith(" ") and key is not None:
+                out[key] += "\n" + line[1:]
+                continue
+            match = _FIELD.match(line)
+            if match:
+                key = match.group(1)
+                out[key] = match.group(2)
+            elif line.strip():
+                key = None
+        return out
+
+    def commit_message(self) -> str:
+        """The header as a git commit message: the description's first line as subject, the rest as body, the other
+        fields (Bug, Forwarded, Author, ...) as trailers, and the patch's file name."""
+        fields = self.fields()
+        description = fields.pop("Description", "").strip("\n") or self.stem
+        subject, _, body = description.partition("\n")
+        lines = [subject.strip(), ""]
+        if body.strip():
+            lines += [ln.rstrip() if ln.strip() != "." else "" for ln in body.splitlines()] + [""]
+        lines += [f"{key}: {value}" for key, value in fields.items()]
+        lines.append(f"Patch: {self.name}")
+        return "\n".join(lines).strip() + "\n"
+
+    def targets(self) -> list[str]:
+        """The repository paths the patch changes, in order."""
+        seen: list[str] = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            match = _TARGET.match(line)
+            if match and match.group(1) not in seen:
+                seen.append(match.group(1))
+        return seen
+
+
+def read_series(folder: Path) -> list[SeriesPatch]:
+    series = folder / "series"
+    if not series.is_file():
+        return []
+    patches = []
+    for raw in series.read_text(encoding="utf-8").splitlines():
+        name = raw.split("#", 1)[0].strip()
+        if not name:
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise Failure(f"{series} lists {name}, which does not exist")
+        text = path.read_text(encoding="utf-8")
+        header = re.split(r"^(?:diff --git |--- )", text, maxsplit=1, flags=re.M)[0]
+        patches.append(SeriesPatch(path, header))
+    return patches
+
+
+def git(cwd: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, env=env)
+    if check and done.returncode != 0:
+        raise Failure(f"`git {' '.join(args)}` failed in {cwd}:\n{done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def conflicts(checkout: Path, patch: SeriesPatch) -> list[str]:
+    """Why ``patch`` does not apply to the checkout's index, file by file (git's own words); [] if it applies."""
+    whole = git(checkout, "apply", "--check", "--index", str(patch.path), check=False)
+    if whole.returncode == 0:
+        return []
+    reasons = []
+    for target in patch.targets():
+        one = git(checkout, "apply", "--check", "--index", f"--include={target}", str(patch.path), check=False)
+        if one.returncode != 0:
+            detail = "; ".join(ln.removeprefix("error: ") for ln in one.stderr.strip().splitlines())
+            reasons.append(f"{target}: {detail}")
+    return reasons or [whole.stderr.strip()]
