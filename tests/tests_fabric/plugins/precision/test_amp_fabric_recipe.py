@@ -1,0 +1,437 @@
+"""Fabric follows PyTorch's AMP recipe (issue 7, item 3; promises 3-7, 9 and 10 of the fork's design).
+
+Every cell trains a tiny MLP through a hand-written Fabric loop and through the hand-written PyTorch AMP recipe and
+compares parameters bitwise, the scale that scaled every batch's loss, the scale after the last update and, per batch
+and optimizer, whether the step was skipped (``tests_fabric/helpers/amp_fabric.py`` explains both loops). The cells
+cover:
+
+1. ``fabric.clip_gradients`` by norm and by value, fused and for-loop ``AdamW``/``Adam``/``SGD(momentum)``, in
+   32-true, bf16-mixed and 16-mixed (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", ...))``);
+2. idempotent unscaling: ``clip_gradients`` twice, the user's own ``scaler.unscale_`` on the Fabric-wrapped optimizer
+   or on ``optimizer.optimizer`` before clipping, the user's own ``scaler.update()``;
+3. two optimizers fed by one backward: one scale update per iteration;
+4. ``optimizer.step_was_skipped``: true exactly on the steps whose gradients held inf, false without a scaler;
+5. the scaler saved and restored by ``fabric.save``/``fabric.load``.
+
+The negative controls run the same cells against the unpatched Fabric 2.6.6 that ships with ``pytorch_lightning`` as
+``lightning_fabric`` (in this process: it is a separate package, so no subprocess is needed, and it stays the stock
+copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
+"""
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+from torch.amp.grad_scaler import OptState
+
+from tests_fabric.helpers.amp_fabric import (
+    CLIP_NORM,
+    CLIPS,
+    INF_BATCH,
+    INIT_SCALE,
+    N_BATCHES,
+    OPTIMIZERS,
+    PRECISIONS,
+    Cell,
+    FabricLoop,
+    Run,
+    assert_recipe_is_sharp,
+    assert_same_run,
+    cached_fabric_run,
+    cached_recipe_run,
+    fabric_api,
+    fabric_run,
+    inject_inf,
+    make_batches,
+    make_net,
+    make_optimizer,
+    new_scaler,
+    params_differ,
+    recipe_run,
+    uses_scaler,
+)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(GradScaler|grad_scaler).*")
+        yield
+
+
+def _check(cell: Cell) -> Run:
+    recipe = cached_recipe_run(cell)
+    assert_recipe_is_sharp(recipe, cell)
+    run = fabric_run(cell)
+    assert_same_run(run, recipe)
+    return run
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. clip_gradients, fused and for-loop
+# --------------------------------------------------------------------------------------------------------------------
+
+CLIP_CELLS = [
+    Cell(precision, optimizer, fused, clip)
+    for precision in PRECISIONS
+    for optimizer in OPTIMIZERS
+    for fused in (False, True)
+    for clip in CLIPS
+]
+
+
+@pytest.mark.parametrize("cell", CLIP_CELLS, ids=lambda c: c.id)
+def test_clip_gradients_matches_recipe(cell):
+    """``fabric.clip_gradients`` clips true (unscaled) gradients, fused optimizers included, bitwise like the recipe's
+    ``scaler.unscale_(opt)`` + ``clip_grad_norm_``/``clip_grad_value_``; the injected inf is skipped and backs off."""
+    _check(cell)
+
+
+def test_clip_by_norm_default_raises_on_the_overflow_step():
+    """Fabric's ``clip_gradients(..., error_if_nonfinite=True)`` default (stock Fabric's, kept) raises on the step whose
+    gradients hold inf, which the scaler would skip; the cells above pass ``error_if_nonfinite=False``."""
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm")).train(range(INF_BATCH))
+    loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
+    loop.fabric.backward(loss)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. unscaling is idempotent
+# --------------------------------------------------------------------------------------------------------------------
+
+_UNSCALE_OPTIMIZERS = [("AdamW", False), ("AdamW", True), ("SGD-momentum", True)]
+UNSCALE_CELLS = [
+    Cell("16-mixed", optimizer, fused, clip, unscaler)
+    for optimizer, fused in _UNSCALE_OPTIMIZERS
+    for unscaler, clips in (
+        ("clip-twice", ("norm", "value")),
+        ("user-wrapper", ("none", "norm", "value")),
+        ("user-raw", ("none", "norm", "value")),
+    )
+    for clip in clips
+] + [Cell("16-mixed", optimizer, fused, "norm", user_update=True) for optimizer, fused in _UNSCALE_OPTIMIZERS]
+
+
+@pytest.mark.parametrize("cell", UNSCALE_CELLS, ids=lambda c: c.id)
+def test_unscaling_is_idempotent(cell):
+    """Whoever unscales first (``clip_gradients``, the user's ``scaler.unscale_`` on the ``_FabricOptimizer`` or on
+    the optimizer it wraps), gradients are unscaled exactly once before clipping and stepping; a user who also calls
+    ``scaler.update()`` (the recipe to the letter) does not get a second update."""
+    _check(cell)
+
+
+def test_user_unscale_through_the_wrapper_is_adopted():
+    """After ``scaler.unscale_(fabric_optimizer)`` the scaler's state belongs to the wrapped optimizer once Fabric
+    clips or steps: no second unscale, no stale entry keyed by the wrapper."""
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm", unscaler="user-wrapper"))
+    loop.train(range(2))
+    opt = loop.opts[0]
+    states = loop.scaler._per_optimizer_states
+    assert id(opt) not in states or states[id(opt)]["stage"] is OptState.READY
+    assert states[id(opt.optimizer)]["stage"] is OptState.STEPPED
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. two optimizers fed by one backward: one update per iteration
+# --------------------------------------------------------------------------------------------------------------------
+
+TWO_OPTIMIZER_CELLS = [
+    Cell(precision, optimizer, fused, clip, two_optimizers=True)
+    for precision in PRECISIONS
+    for optimizer in ("AdamW", "SGD-momentum")
+    for fused in (False, True)
+    for clip in ("none", "norm")
+]
+
+
+@pytest.mark.parametrize("cell", TWO_OPTIMIZER_CELLS, ids=lambda c: c.id)
+def test_two_optimizers_one_update_per_iteration(cell):
+    """``fabric.backward(loss); opt_a.step(); opt_b.step()`` equals the recipe's ``scaler.scale(loss).backward();
+    scaler.step(a); scaler.step(b); scaler.update()``: both optimizers are unscaled with the scale that scaled their
+    gradients, and the scale trajectory (``growth_interval=1``: it moves on every update) is the recipe's."""
+    _check(cell)
+
+
+def test_update_count_and_placement():
+    """Exactly one ``scaler.update()`` per iteration with two optimizers: the update of an iteration is applied before
+    the next ``fabric.backward()`` (Fabric has no end-of-iteration hook), the last one by ``precision.state_dict()``."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
+    with mock.patch.object(loop.scaler, "update", wraps=loop.scaler.update) as update:
+        for i in range(N_BATCHES):
+            loop.train(range(i, i + 1))
+            assert update.call_count == i, "the update of an iteration waits for the next backward"
+        run = loop.finish()
+        assert update.call_count == N_BATCHES
+        loop.precision_plugin.state_dict()
+        assert update.call_count == N_BATCHES, "no second update without a step"
+    assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="limitation: Fabric has no end-of-iteration hook, so the fork applies an iteration's update before the next"
+    " `fabric.backward()`; when one iteration interleaves backward and step (a GAN's D step, then G's backward), the"
+    " update after D's step lands before G's backward: two updates per iteration (as stock Fabric does)",
+)
+def test_interleaved_backward_and_step_one_update_per_iteration():
+    """PyTorch's recipe: ``scaler.update()`` once per iteration, after the steps of all optimizers, also when the
+    iteration interleaves them with backward passes (first layer: backward, step; second layer: backward, step)."""
+    mse = torch.nn.functional.mse_loss
+
+    net = make_net()
+    opts = [make_optimizer("SGD-momentum", net[i].parameters(), False) for i in (0, 2)]
+    scaler = new_scaler()
+    expected_scales = []
+    for x, y in make_batches():
+        for opt in opts:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = mse(net(x), y)
+            scaler.scale(loss).backward()
+            expected_scales.append(scaler.get_scale())
+            scaler.step(opt)
+        scaler.update()
+    expected = {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
+    scales = []
+    for x, y in make_batches():
+        for opt in loop.opts:
+            opt.zero_grad()
+            loop.fabric.backward(mse(loop.model(x), y))
+            scales.append(loop.scaler.get_scale())
+            opt.step()
+    assert scales == expected_scales
+    assert not params_differ({n: p.detach() for n, p in loop.model.module.named_parameters()}, expected)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. the skip signal
+# --------------------------------------------------------------------------------------------------------------------
+
+SKIP_CELLS = [
+    Cell("16-mixed", optimizer, fused, clip, inf_at=inf_at, two_optimizers=two)
+    for optimizer, fused in [("AdamW", False), ("AdamW", True), ("Adam", True), ("SGD-momentum", False)]
+    for clip, inf_at, two in [("none", (0, 3, 4), False), ("norm", (1, 5), False), ("value", (0, 3), True)]
+] + [Cell("16-mixed", "SGD-momentum", True, "norm", inf_at=(2, 3, 5))]
+
+
+@pytest.mark.parametrize("cell", SKIP_CELLS, ids=lambda c: c.id)
+def test_step_was_skipped_exactly_on_inf_steps(cell):
+    """``optimizer.step_was_skipped`` is True exactly after the steps whose gradients held inf (the first step and
+    consecutive ones included), for every optimizer fed by the backward, fused or not; the run equals the recipe."""
+    run = _check(cell)
+    assert run.skipped == [tuple(i in cell.inf_batches for _ in row) for i, row in enumerate(run.skipped)]
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_was_skipped_is_false_without_scaler(precision, fused):
+    run = _check(Cell(precision, "AdamW", fused, "norm", two_optimizers=True))
+    assert all(flag is False for row in run.skipped for flag in row)
+
+
+def test_step_was_skipped_before_the_first_step():
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True))
+    assert loop.opts[0].step_was_skipped is False
+
+
+def test_fused_sgd_momentum_survives_a_skipped_first_step():
+    """torch leaves fused SGD's momentum buffers uninitialised when the scaler skips its first step; Fabric's step goes
+    through the same ``GradScalerRecipe`` as the Trainer's, which gives them zeros first. The reference is the recipe
+    with the buffers zeroed by hand before the first step (exactly the first step of for-loop SGD, ``dampening=0``)."""
+    cell = Cell("16-mixed", "SGD-momentum", fused=True, clip="norm", inf_at=(0, 3))
+    run = fabric_run(cell)
+    assert run.skipped == [(i in (0, 3),) for i in range(N_BATCHES)]
+
+    original_step = torch.optim.SGD.step
+
+    def step_with_zeroed_buffers(self, *args, **kwargs):
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.grad is not None and "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return original_step(self, *args, **kwargs)
+
+    with mock.patch.object(torch.optim.SGD, "step", step_with_zeroed_buffers):
+        recipe = recipe_run(cell)
+    assert_recipe_is_sharp(recipe, cell)
+    assert_same_run(run, recipe)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. the scaler saved and restored
+# --------------------------------------------------------------------------------------------------------------------
+
+#: the run is split after the inf batch, so the update pending at the save is the back-off
+SPLIT = INF_BATCH + 1
+
+RESUME_CELLS = [
+    Cell("16-mixed", "AdamW", False, "norm"),
+    Cell("16-mixed", "AdamW", True, "norm"),
+    Cell("16-mixed", "SGD-momentum", True, "value"),
+    Cell("16-mixed", "Adam", True, "none", two_optimizers=True),
+    Cell("bf16-mixed", "AdamW", True, "norm"),
+    Cell("32", "SGD-momentum", False, "value"),
+]
+
+
+def _resumed_run(cell: Cell, path, scaler_entry: str = "plugin", package: str = "lightning") -> Run:
+    first = FabricLoop(cell, package).train(range(SPLIT))
+    first.save(path, scaler_entry)
+    # a fresh Fabric, a network with other weights and fresh optimizers: everything must come from the checkpoint
+    second = FabricLoop(cell, package, seed=99)
+    assert second.load(path, scaler_entry) == {}
+    run = second.train(range(SPLIT, N_BATCHES)).finish()
+    run.scales = None if first.run.scales is None else first.run.scales + run.scales
+    run.changed = first.run.changed + run.changed
+    run.skipped = first.run.skipped + run.skipped
+    run.clip_seen = first.run.clip_seen + run.clip_seen
+    return run
+
+
+@pytest.mark.parametrize("cell", RESUME_CELLS, ids=lambda c: c.id)
+def test_resume_is_exact(cell, tmp_path):
+    """``fabric.save(path, {"model": model, "optimizer": opt, "precision": fabric.strategy.precision})`` and
+    ``fabric.load`` into a fresh Fabric continue bitwise like the uninterrupted run.
+
+    As for any state in Fabric, what is not in the dictionary is not saved: the precision plugin must be in it (its
+    ``state_dict`` is the scaler's). The fork applies an iteration's scale update lazily, before the next backward; the
+    plugin's ``state_dict`` applies a pending update first, so the checkpoint holds the scale the next iteration uses.
+    """
+    recipe = cached_recipe_run(cell)
+    path = tmp_path / "fabric.ckpt"
+    resumed = _resumed_run(cell, path)
+    assert_same_run(resumed, recipe)
+    assert_same_run(resumed, cached_fabric_run(cell))  # the uninterrupted Fabric run
+    if uses_scaler(cell.precision):
+        assert torch.load(path, weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT]
+
+
+def test_save_applies_the_pending_update_and_does_not_perturb_the_run(tmp_path):
+    cell = Cell("16-mixed", "AdamW", True, "norm")
+    recipe = cached_recipe_run(cell)
+    loop = FabricLoop(cell).train(range(SPLIT))
+    # the back-off of the inf batch is still pending: it is applied before the next backward...
+    assert loop.scaler.get_scale() == recipe.scales[SPLIT - 1] == 2 * recipe.scales[SPLIT]
+    # ...or by saving
+    loop.save(tmp_path / "fabric.ckpt")
+    assert loop.scaler.get_scale() == recipe.scales[SPLIT]
+    assert_same_run(loop.train(range(SPLIT, N_BATCHES)).finish(), recipe)
+
+
+def test_resume_without_precision_in_state_restarts_the_scale(tmp_path):
+    """The control of the docstring above: leave the plugin out and the resumed run restarts at the initial scale."""
+    cell = Cell("16-mixed", "AdamW", True, "norm")
+    recipe = cached_recipe_run(cell)
+    run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="none")
+    assert run.scales[SPLIT] == INIT_SCALE != recipe.scales[SPLIT]
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param(
+            "lightning",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="fork bug: the bare GradScaler's state_dict() does not apply the update pending since the last"
+                " step, so the checkpoint misses the iteration's back-off (stock Fabric updates at once and is exact)",
+            ),
+        ),
+        "lightning_fabric",
+    ],
+)
+def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
+    """``{"scaler": scaler}`` instead of the plugin: with stock Fabric that resumes exactly, since it updates after
+    every step. With the fork's lazy update it must too (a user may hold the ``GradScaler`` they passed in)."""
+    cell = Cell("16-mixed", "AdamW", False, "norm")  # unfused: stock cannot clip fused optimizers
+    run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="scaler", package=package)
+    recipe = cached_recipe_run(cell)
+    assert run.scales == recipe.scales
+    assert not params_differ(run.params, recipe.params)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# negative controls: stock Fabric 2.6.6 (``lightning_fabric``) fails these comparisons
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_stock_fabric_is_the_unpatched_copy():
+    stock = fabric_api("lightning_fabric").MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    assert not hasattr(stock, "optimizer_step_was_skipped")
+    assert not hasattr(stock, "_recipe")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_stock_fabric_cannot_clip_fused(optimizer, clip):
+    cell = Cell("16-mixed", optimizer, fused=True, clip=clip)
+    _check(cell)
+    with pytest.raises(NotImplementedError, match="Gradient clipping is not implemented"):
+        fabric_run(cell, "lightning_fabric")
+
+
+@pytest.mark.parametrize(
+    ("cell", "error"),
+    [
+        (Cell("16-mixed", clip="norm", unscaler="clip-twice"), "unscale_\\(\\) has already been called"),
+        (Cell("16-mixed", clip="value", unscaler="user-raw"), "unscale_\\(\\) has already been called"),
+        (Cell("16-mixed", clip="norm", user_update=True), "No inf checks were recorded"),
+    ],
+    ids=["clip-twice", "user-raw", "user-update"],
+)
+def test_stock_fabric_raises_on_a_second_unscale_or_update(cell, error):
+    _check(cell)
+    with pytest.raises((RuntimeError, AssertionError), match=error):
+        fabric_run(cell, "lightning_fabric")
+
+
+def test_stock_fabric_unscales_twice_through_the_wrapper():
+    """``scaler.unscale_(fabric_optimizer)`` then ``clip_gradients``: stock keys the first unscale by the wrapper and
+    unscales the wrapped optimizer a second time, silently; the weights end up far from the recipe's."""
+    cell = Cell("16-mixed", clip="norm", unscaler="user-wrapper")
+    recipe = cached_recipe_run(cell)
+    assert_same_run(fabric_run(cell), recipe)
+    stock = fabric_run(cell, "lightning_fabric")
+    assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
+
+
+def test_stock_fabric_updates_after_every_step():
+    """Two optimizers from one backward: stock updates after each step, so the scale moves twice per iteration and the
+    second optimizer is unscaled with a scale that did not scale its gradients."""
+    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
+    recipe = cached_recipe_run(cell)
+    assert_same_run(fabric_run(cell), recipe)
+    stock = fabric_run(cell, "lightning_fabric")
+    assert stock.scales != recipe.scales
+    assert stock.final_scale != recipe.final_scale
+    assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
+
+
+def test_stock_fabric_has_no_skip_signal():
+    stock = fabric_run(Cell("16-mixed", "AdamW"), "lightning_fabric")
+    assert all(flag is None for row in stock.skipped for flag in row)
+
+
+def test_a_wrong_recipe_is_caught():
+    """The comparison itself is sharp: a recipe that updates after every step (stock's schedule) differs from the
+    fork's Fabric run in the scale trajectory and the weights."""
+    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
+    net = make_net()
+    opts = [make_optimizer("SGD-momentum", net[i].parameters(), False) for i in (0, 2)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+    for batch_idx, (x, y) in enumerate(make_batches()):
+        for opt in opts:
+            opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(net(x), y)
+        scaler.scale(inject_inf(loss, batch_idx, cell)).backward()
+        for opt in opts:
+            scaler.step(opt)
+            scaler.update()  # wrong: after every step
+    run = fabric_run(cell)
+    assert run.final_scale != scaler.get_scale()
+    assert params_differ(run.params, {n: p.detach() for n, p in net.named_parameters()})
