@@ -258,10 +258,10 @@ class _AMPRecipePrecision(Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
     ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
 
-    Fabric has no end-of-iteration hook, so the single ``scaler.update()`` of an iteration is applied right before the
-    next ``fabric.backward()`` scales a loss, or before the scaler's state is saved: several optimizers fed by one
-    backward are all unscaled with the scale that scaled their gradients. Subclasses set ``scaler`` and call
-    :meth:`_init_amp_recipe` in ``__init__``.
+    Fabric's loop belongs to the user, so Fabric ends an iteration (:meth:`training_iteration_end`, the single
+    ``scaler.update()``) right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the
+    plugin's ``state_dict``: several optimizers fed by one backward are all unscaled with the scale that scaled their
+    gradients. Subclasses set ``scaler`` and call :meth:`_init_amp_recipe` in ``__init__``.
 
     """
 
@@ -289,9 +289,14 @@ class _AMPRecipePrecision(Precision):
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:
             # the last iteration's single update comes before this one's scaling
-            self._recipe.update()
+            self.training_iteration_end()
             tensor = self._recipe.scale(tensor)
         super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def training_iteration_end(self) -> None:
+        if self.scaler is not None:
+            self._recipe.update()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -321,7 +326,7 @@ class _AMPRecipePrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is not None:
             # a pending update belongs to the iteration being saved: a resumed run must not miss it
-            self._recipe.update()
+            self.training_iteration_end()
             return self.scaler.state_dict()
         return {}
 
