@@ -1,0 +1,113 @@
+"""The benchmark's models and data, shared by the Lightning runs and the hand-written PyTorch loop.
+
+Only torch is imported here, so the module loads the same in the fork's and in the stock virtual environment. Each
+workload is a small ``nn.Module`` whose ``loss(x, y)`` is the whole forward pass (what runs under autocast), plus a
+builder for its batches. Sizes come from a plain dict (see ``DEFAULT_SIZES`` and ``benchmarks/run.py --help``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sizes import DEFAULT_SIZES  # noqa: F401  (re-exported for the worker)
+
+
+class MLP(nn.Module):
+    """``depth`` Linear layers of ``width`` with ReLU between them, regressing a ``width``-wide target."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers.append(nn.Linear(width, width))
+            if i < depth - 1:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+
+class TiedBlock(nn.Module):
+    """One ``Linear(width, width)`` applied ``repeats`` times (a weight-tied, universal-transformer-like stack).
+
+    Autocast casts the fp32 weight to bf16 at every use unless its weight cache is on, and each cast copy is kept for
+    the backward pass: with the cache off the step does ``repeats`` casts and holds ``repeats`` copies, with it one.
+    """
+
+    def __init__(self, width: int, repeats: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.tied = nn.Linear(width, width)
+        self.repeats = repeats
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(self.repeats):
+            h = h + torch.tanh(self.tied(h))
+        return nn.functional.mse_loss(h.float(), y)
+
+
+class UnrolledRNN(nn.Module):
+    """An ``RNNCell`` unrolled over the ``steps`` time steps of the input, then a linear head on the last state.
+
+    Both of the cell's weights are used once per time step, so with autocast's cache off they are cast ``2 * steps``
+    times per forward, and every copy is saved for the backward pass.
+    """
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.cell = nn.RNNCell(hidden, hidden)
+        self.head = nn.Linear(hidden, hidden)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[1], self.cell.hidden_size)
+        for t in range(x.shape[0]):
+            h = self.cell(x[t], h)
+        return nn.functional.mse_loss(self.head(h).float(), y)
+
+
+def build_model(workload: str, sizes: dict) -> nn.Module:
+    if workload == "mlp":
+        return MLP(sizes["mlp_width"], sizes["mlp_depth"])
+    if workload == "fused":
+        return MLP(sizes["fused_width"], sizes["fused_depth"])
+    if workload == "tied":
+        return TiedBlock(sizes["tied_width"], sizes["tied_repeats"])
+    if workload == "rnn":
+        return UnrolledRNN(sizes["rnn_hidden"])
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+def build_batches(workload: str, sizes: dict, device: str, count: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` distinct (input, target) batches, already on ``device``, in float32."""
+    gen = torch.Generator().manual_seed(1234)
+    if workload in ("mlp", "fused"):
+        width, batch = sizes[f"{workload}_width"], sizes[f"{workload}_batch"]
+        x_shape, y_shape = (batch, width), (batch, width)
+    elif workload == "tied":
+        width, batch = sizes["tied_width"], sizes["tied_batch"]
+        x_shape, y_shape = (batch, width), (batch, width)
+    elif workload == "rnn":
+        hidden, batch = sizes["rnn_hidden"], sizes["rnn_batch"]
+        x_shape, y_shape = (sizes["rnn_steps"], batch, hidden), (batch, hidden)
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+    return [
+        (torch.randn(x_shape, generator=gen).to(device), torch.randn(y_shape, generator=gen).to(device))
+        for _ in range(count)
+    ]
+
+
+def build_optimizer(params, fused: bool, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW for every workload; ``fused=False`` leaves the implementation to torch (for-loop on CPU, foreach on CUDA)
+    unless ``foreach`` says otherwise."""
+    if fused:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
