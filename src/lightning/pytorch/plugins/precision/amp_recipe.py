@@ -116,6 +116,9 @@ class _AMPRecipePrecision(Precision):
     ) -> None:
         with self._outside_forward_context():
             super().backward(tensor, model, optimizer, *args, **kwargs)
+        if self.cache_enabled:
+            # the graph that needed the cached casts is gone: free them now, as a run without the cache would
+            torch.clear_autocast_cache()
 
     @override
     def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
