@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 # Always this torch: a plain `pip install torch` pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup install test demo docs bench tree export wheel clean
 
@@ -34,6 +35,12 @@ demo: setup
 docs: setup
 	$(PY) -m sphinx -W --keep-going -q -b html docs/fork build/docs/html
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs/fork build/docs/doctest
+
+## bench: the fork against stock lightning 2.6.6 and a hand-written PyTorch loop, as ratios -> benchmarks/results/
+##        (on a CUDA machine: make bench BENCH_ARGS="--device cuda")
+bench:
+	TORCH="$(TORCH)" PYTHON="$(PYTHON)" bash benchmarks/setup.sh
+	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
 tree:
