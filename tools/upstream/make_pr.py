@@ -292,7 +292,8 @@ def add_changelog(checkout: Path, repo: Path, env: dict[str, str]) -> str | None
         path = checkout / CHANGELOGS[package]
         if not path.is_file():
             raise Conflict(f"upstream has no {CHANGELOGS[package]} to add our entries to")
-        path.write_text(insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package]), encoding="utf-8")
+        text = insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package])
+        path.write_text(text, encoding="utf-8")
         changed.append(CHANGELOGS[package])
     git(checkout, "add", "--", *changed)
     message = (

@@ -221,7 +221,8 @@ def run_pytest(job: Run, files: list[str], workers: int, timeout: int, extra_arg
     job.seconds = time.monotonic() - start
     job.returncode = done.returncode
     if not job.junit.is_file():
-        raise Failure(f"{job.name}: pytest wrote no junit XML (exit {done.returncode}); see {job.junit.with_suffix('.log')}")
+        log_file = job.junit.with_suffix(".log")
+        raise Failure(f"{job.name}: pytest wrote no junit XML (exit {done.returncode}); see {log_file}")
     job.outcomes, job.messages = read_junit(job.junit)
     log(f"{job.name}: {format_counts(counts(job.outcomes))} in {job.seconds:.0f}s")
 
@@ -289,10 +290,12 @@ def compare(stock: Run, fork: Run, patched: set[str]) -> dict:
         elif before in FAILED and after == "passed":
             fixed.append(test_id)
     new = sorted(t for t in fork.outcomes if t not in stock.outcomes)
+    in_files = [t for t in sorted(set(stock.outcomes) | set(fork.outcomes)) if in_patched(t)]
     patched_tests = [f"{t} (stock: {stock.outcomes.get(t, '-')}, fork: {fork.outcomes.get(t, '-')})"
-                     for t in sorted(set(stock.outcomes) | set(fork.outcomes)) if in_patched(t)]
+                     for t in in_files if stock.outcomes.get(t) != fork.outcomes.get(t)]
     return {"regressions": regressions, "fixed_on_fork": fixed, "absent_on_fork": missing,
-            "replaced_by_test_patches": changed, "new_on_fork": new, "in_test_patched_files": patched_tests}
+            "replaced_by_test_patches": changed, "new_on_fork": new, "in_test_patched_files": patched_tests,
+            "same_in_test_patched_files": len(in_files) - len(patched_tests)}
 
 
 def write_report(workdir: Path, ref: str, commit: str, runs: list[Run], result: dict, applied: dict) -> str:
@@ -302,10 +305,12 @@ def write_report(workdir: Path, ref: str, commit: str, runs: list[Run], result: 
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for job in runs:
         c = counts(job.outcomes)
+        took = f"{job.seconds:.0f}s" if job.seconds else "reused"
         lines.append(f"| {job.name} | {job.lightning.get('lightning', '?')} | {c['passed']} | {c['failed']} | "
-                     f"{c['error']} | {c['skipped']} | {c['xfailed']} | {c['total']} | {job.seconds:.0f}s |")
+                     f"{c['error']} | {c['skipped']} | {c['xfailed']} | {c['total']} | {took} |")
     lines.append("")
-    needs_gpu = sorted(t for t, o in runs[0].outcomes.items() if o == "skipped" and "GPU" in runs[0].messages.get(t, ""))
+    stock = runs[0]
+    needs_gpu = [t for t, o in stock.outcomes.items() if o == "skipped" and "GPU" in stock.messages.get(t, "")]
     lines.append(f"Skipped here because they need CUDA GPUs (not evidence either way): {len(needs_gpu)} test ids;"
                  " the rest of the skips need TPUs, MPS, DeepSpeed, standalone (multi-process) runs or other extras.")
     lines.append("")
@@ -316,7 +321,8 @@ def write_report(workdir: Path, ref: str, commit: str, runs: list[Run], result: 
     fork = runs[1] if len(runs) > 1 else None
     for key, title in (("regressions", "Pass on stock, fail on the fork"),
                        ("fixed_on_fork", "Fail on stock, pass on the fork"),
-                       ("in_test_patched_files", "Tests in files a test patch changes (the fork runs the new version)"),
+                       ("in_test_patched_files",
+                        "Tests in files a test patch changes, whose outcome differs (the fork runs the new version)"),
                        ("replaced_by_test_patches", "Stock test ids a test patch replaced (renamed or removed)"),
                        ("new_on_fork", "Test ids only on the fork's run (added or renamed by a test patch)"),
                        ("absent_on_fork", "Stock test ids the fork's run did not report")):
@@ -326,8 +332,12 @@ def write_report(workdir: Path, ref: str, commit: str, runs: list[Run], result: 
         for test_id in items:
             note = ""
             if fork is not None and key == "regressions":
-                note = f"  \n  `{fork.messages.get(test_id, '').splitlines()[0][:300] if fork.messages.get(test_id) else ''}`"
+                first = (fork.messages.get(test_id) or "").strip().splitlines()[:1]
+                note = f"  \n  `{first[0][:300]}`" if first else ""
             lines.append(f"- {test_id}{note}")
+        if key == "in_test_patched_files":
+            lines.append(f"- and {result.get('same_in_test_patched_files', 0)} test ids in those files with the same"
+                         " outcome on both")
         lines.append("")
     text = "\n".join(lines)
     (workdir / "report.md").write_text(text, encoding="utf-8")
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["stock", "fork"], help="run one side only (no comparison)")
     parser.add_argument("--no-test-patches", action="store_true", help="run the fork on upstream's tests as they are")
     parser.add_argument("--reuse-stock", action="store_true",
-                        help="reuse the last stock run's results if they are for the same upstream commit and selection")
+                        help="reuse the last stock run's results (same upstream commit, selection and pins)")
     parser.add_argument("--tests", nargs="*", default=[], help="extra test files or folders (relative to tests/)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     args = parser.parse_args(argv)
