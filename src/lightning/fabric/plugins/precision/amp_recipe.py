@@ -22,6 +22,7 @@ and Fabric's precision plugins cannot drift apart; :class:`_AMPRecipePrecision` 
 import inspect
 import operator
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -91,6 +92,8 @@ class GradScalerRecipe:
         self._spent_states = 0
         self._found_inf: dict[int, torch.Tensor] = {}
         self._iteration_found_infs: list[torch.Tensor] = []
+        # optimizers unscaled (by clipping) that have not stepped since
+        self._unscaled: dict[int, Any] = {}
         self._skipped_steps: Optional[torch.Tensor] = None
 
     @property
@@ -98,8 +101,40 @@ class GradScalerRecipe:
         """Whether an optimizer stepped since the last :meth:`update`."""
         return self._update_pending
 
-    def scale(self, tensor: torch.Tensor) -> torch.Tensor:
+    def scale(self, tensor: torch.Tensor, optimizers: Iterable[Any] = ()) -> torch.Tensor:
+        """Multiply ``tensor`` (the loss) by the scale, once no optimizer holds unscaled gradients it did not step on.
+
+        Args:
+            tensor: the loss about to be backpropagated.
+            optimizers: every optimizer (and wrapper) the caller knows of, to catch gradients the user unscaled with
+                ``scaler.unscale_`` and then did not step on.
+
+        Raises:
+            RuntimeError: if an optimizer's gradients were unscaled but it did not step and they were not cleared: the
+                backward would add scaled gradients to unscaled ones.
+
+        """
+        if self.scaler._per_optimizer_states:  # nothing was unscaled since the last update otherwise
+            self._release_unscaled_without_step(optimizers)
         return self.scaler.scale(tensor)
+
+    def _release_unscaled_without_step(self, optimizers: Iterable[Any]) -> None:
+        states = self.scaler._per_optimizer_states
+        candidates = {id(o): o for o in (*self._unscaled.values(), *optimizers)}
+        self._unscaled.clear()
+        for key, optimizer in candidates.items():
+            if self._stage(optimizer) is not OptState.UNSCALED:
+                continue
+            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                raise RuntimeError(
+                    f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or"
+                    " `scaler.unscale_`) but the optimizer did not step before this backward, which would add new"
+                    " gradients multiplied by the loss scale to the unscaled ones. With a gradient scaler, clip or"
+                    " unscale only in iterations that step the optimizer (inside your gradient-accumulation condition,"
+                    " for example), or zero its gradients before the next backward."
+                )
+            del states[key]  # no gradients: nothing was really unscaled, start over
+
 
     def _stage(self, optimizer: Any) -> Optional[OptState]:
         state = self.scaler._per_optimizer_states.get(id(optimizer))
@@ -132,6 +167,7 @@ class GradScalerRecipe:
         self._adopt_state(optimizer, aliases)
         if self._stage(optimizer) in (None, OptState.READY):
             self.scaler.unscale_(optimizer)
+            self._unscaled[id(optimizer)] = optimizer
 
     def step(self, optimizer: Optimizer, aliases: tuple[Any, ...] = (), **kwargs: Any) -> Any:
         """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN."""
@@ -142,6 +178,7 @@ class GradScalerRecipe:
         self._check_fused_can_read_inf_checks(optimizer)
         output = self.scaler.step(optimizer, **kwargs)
         self._update_pending = True
+        self._unscaled.pop(id(optimizer), None)
         found_infs = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
         if found_infs:  # empty only for an optimizer that unscales inside its own `step()`: it keeps its own record
             found_inf = found_infs[0] if len(found_infs) == 1 else sum(f.to(found_infs[0].device) for f in found_infs)
@@ -168,8 +205,11 @@ class GradScalerRecipe:
             )
 
     def record_no_step(self, optimizer: Optimizer) -> None:
-        """Note that ``optimizer`` did not step this iteration (nothing to step on): no step of it was skipped."""
+        """Note that ``optimizer`` did not step this iteration (nothing to step on): no step of it was skipped, and an
+        unscale without gradients (clipping on a batch without backward) leaves no state behind."""
         self._found_inf.pop(id(optimizer), None)
+        if self._unscaled.pop(id(optimizer), None) is not None and self._stage(optimizer) is OptState.UNSCALED:
+            del self.scaler._per_optimizer_states[id(optimizer)]
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
@@ -281,6 +321,16 @@ class _AMPRecipePrecision(Precision):
     def _aliases(self, optimizer: Optimizer) -> tuple[Any, ...]:
         return tuple(w for w in self._optimizer_wrappers if w.optimizer is optimizer)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # launchers pickle the plugin (e.g. `ddp_spawn`): the weak references to wrappers stay in this process
+        state = self.__dict__.copy()
+        state["_optimizer_wrappers"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._optimizer_wrappers = weakref.WeakSet()
+
     @override
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
         self._optimizer_wrappers.add(wrapper)
@@ -290,7 +340,8 @@ class _AMPRecipePrecision(Precision):
         if self.scaler is not None:
             # the last iteration's single update comes before this one's scaling
             self.training_iteration_end()
-            tensor = self._recipe.scale(tensor)
+            wrappers = list(self._optimizer_wrappers)
+            tensor = self._recipe.scale(tensor, [*wrappers, *(w.optimizer for w in wrappers)])
         super().backward(tensor, model, *args, **kwargs)
 
     @override

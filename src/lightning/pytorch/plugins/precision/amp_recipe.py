@@ -71,6 +71,12 @@ class _AMPRecipePrecision(Precision):
             self._scaler_recipe = GradScalerRecipe(self.scaler)
         return self._scaler_recipe
 
+    def __getstate__(self) -> dict[str, Any]:
+        # launchers pickle the plugin (e.g. `ddp_spawn`); the optimizer wrappers refer to the strategy by weak proxy
+        state = self.__dict__.copy()
+        state["_lightning_optimizers"] = []
+        return state
+
     def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[LightningOptimizer, ...]]:
         """The ``torch.optim`` optimizer and the ``LightningOptimizer`` wrappers a user may have unscaled it through."""
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -101,7 +107,8 @@ class _AMPRecipePrecision(Precision):
         self._lightning_optimizers = module.trainer.strategy._lightning_optimizers
         with self._outside_forward_context():
             if self.scaler is not None:
-                tensor = self._recipe.scale(tensor)
+                wrappers = self._lightning_optimizers
+                tensor = self._recipe.scale(tensor, [*wrappers, *(w.optimizer for w in wrappers)])
                 self._scaled_backwards += 1
             return super().pre_backward(tensor, module)
 

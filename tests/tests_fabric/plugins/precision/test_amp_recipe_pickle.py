@@ -1,0 +1,30 @@
+"""Precision plugins that drive a gradient scaler stay picklable, as launchers such as ``ddp_spawn`` need."""
+
+import pickle
+
+import pytest
+import torch
+
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision as TrainerMixedPrecision
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_fabric_mixed_precision_pickles_after_setup(precision):
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision(precision, "cpu", scaler=scaler)])
+    module = torch.nn.Linear(2, 2)
+    _, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    plugin = fabric.strategy.precision
+    assert len(plugin._optimizer_wrappers) == 1  # Fabric's optimizer wrapper is tracked (weakly)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.precision == precision
+    assert len(copy._optimizer_wrappers) == 0  # the wrappers stay in the process that made them
+    assert (copy.scaler is None) == (scaler is None)
+
+
+def test_trainer_mixed_precision_pickles():
+    plugin = TrainerMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.scaler.get_scale() == plugin.scaler.get_scale()
