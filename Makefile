@@ -6,8 +6,12 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+UPSTREAM ?=
+BRANCH ?=
+REF ?= 2.6.6
+UPSTREAM_TEST_ARGS ?=
 
-.PHONY: setup install test demo docs bench tree export wheel clean
+.PHONY: setup install test demo docs bench pr upstream-test tree export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +45,16 @@ docs: setup
 bench:
 	TORCH="$(TORCH)" PYTHON="$(PYTHON)" bash benchmarks/setup.sh
 	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
+
+## pr: our patches, upstream test patches, our files and CHANGELOG entries as a new branch of an upstream clone
+pr:
+	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
+	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+
+## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI)
+upstream-test:
+	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.6]" >&2; exit 2; }
+	$(PYTHON) tools/upstream/upstream_test.py --upstream "$(UPSTREAM)" --ref "$(REF)" $(UPSTREAM_TEST_ARGS)
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
 tree:
