@@ -12,7 +12,9 @@ HEAD and commits, in order:
 3. the fork's own files, one commit: ``src/**`` (our modules), ``tests/tests_pytorch/**``, ``tests/tests_fabric/**``
    and ``docs/source-pytorch/**`` where present; a file that upstream already has with other content stops the run
    (upstream files change through patches only);
-4. the entries of the "Unreleased" section of our ``CHANGELOG.md`` under the unreleased heading of upstream's
+4. each patch of ``docs/patches/series``, one commit each: the includes and links that put our pages into upstream's
+   documentation;
+5. the entries of the "Unreleased" section of our ``CHANGELOG.md`` under the unreleased heading of upstream's
    ``src/lightning/pytorch/CHANGELOG.md`` (and ``src/lightning/fabric/CHANGELOG.md`` for entries that touch Fabric),
    without our patch numbers.
 
@@ -336,6 +338,10 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
         sha, written = lay_own_files(checkout, repo, env)
         if sha:
             report.append(f"{sha}  own files: {len(written)} new file(s)")
+        for patch in read_series(repo / "docs" / "patches"):
+            # after our pages exist: these include them in upstream's pages
+            sha = apply_patch(checkout, patch, "docs", env)
+            report.append(f"{sha}  docs patch {patch.name}: {', '.join(patch.targets())}")
         sha = add_changelog(checkout, repo, env)
         if sha:
             report.append(f"{sha}  CHANGELOG entries")
