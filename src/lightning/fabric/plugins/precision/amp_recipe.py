@@ -19,6 +19,7 @@ the last step. :class:`GradScalerRecipe` is the one place in Lightning that driv
 and Fabric's precision plugins cannot drift apart; :class:`_AMPRecipePrecision` is Fabric's plugins' use of it.
 """
 
+import functools
 import inspect
 import operator
 import weakref
@@ -42,9 +43,9 @@ _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_ba
 
 def _autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` in the current thread."""
-    if device_type == "cpu" and not hasattr(torch, "get_autocast_dtype"):  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-    return torch.is_autocast_enabled(device_type) if hasattr(torch, "get_autocast_dtype") else torch.is_autocast_enabled()
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: one API for every device type
+        return torch.is_autocast_enabled(device_type)
+    return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
 def _handles_unscaling_itself(optimizer: Any) -> bool:
@@ -56,7 +57,13 @@ def _handles_unscaling_itself(optimizer: Any) -> bool:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
-    return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    return _step_takes_grad_scaler(type(optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_takes_grad_scaler(optimizer_class: type) -> bool:
+    # once per class: `inspect.signature` is too slow for every optimizer step
+    return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
 
 
 class GradScalerRecipe:
