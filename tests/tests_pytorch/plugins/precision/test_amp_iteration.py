@@ -43,19 +43,24 @@ def _plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1))
 
 
-def test_one_update_per_batch_before_on_train_batch_end(tmp_path):
-    record = RecordScale()
+def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=1,
         plugins=[_plugin()],
-        callbacks=[record],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_kwargs,
     )
-    trainer.fit(TwoStepsPerBatch())
+    trainer.fit(model)
+    return trainer
+
+
+def test_one_update_per_batch_before_on_train_batch_end(tmp_path):
+    record = RecordScale()
+    trainer = _fit_quietly(TwoStepsPerBatch(), callbacks=[record])
     # growth_interval=1 and finite gradients: each batch grows the scale exactly once, although it steps twice
     assert record.scales == [2.0**5, 2.0**6, 2.0**7]
     assert record.pending == [False, False, False]
@@ -90,17 +95,7 @@ def test_user_update_is_not_applied_twice():
             self.trainer.precision_plugin.scaler.update()
 
     record = RecordScale()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[_plugin()],
-        callbacks=[record],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(UpdatesItself())
+    _fit_quietly(UpdatesItself(), callbacks=[record])
     assert record.scales == [2.0**5, 2.0**6, 2.0**7]
 
 
@@ -129,21 +124,6 @@ class ClipsEveryBatchStepsEveryOther(LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
-
-
-def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[_plugin()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model)
-    return trainer
 
 
 def test_unscaled_gradients_without_a_step_are_refused_before_the_next_backward():

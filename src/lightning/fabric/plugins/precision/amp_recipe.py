@@ -24,7 +24,7 @@ import inspect
 import operator
 import weakref
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning_utilities.core.imports import compare_version
@@ -108,13 +108,14 @@ class GradScalerRecipe:
         """Whether an optimizer stepped since the last :meth:`update`."""
         return self._update_pending
 
-    def scale(self, tensor: torch.Tensor, optimizers: Iterable[Any] = ()) -> torch.Tensor:
+    def scale(self, tensor: torch.Tensor, optimizers: Callable[[], Iterable[Any]] = tuple) -> torch.Tensor:
         """Multiply ``tensor`` (the loss) by the scale, once no optimizer holds unscaled gradients it did not step on.
 
         Args:
             tensor: the loss about to be backpropagated.
-            optimizers: every optimizer (and wrapper) the caller knows of, to catch gradients the user unscaled with
-                ``scaler.unscale_`` and then did not step on.
+            optimizers: returns every optimizer (and wrapper) the caller knows of, to catch gradients the user
+                unscaled with ``scaler.unscale_`` and then did not step on; called only when something was unscaled
+                since the last update.
 
         Raises:
             RuntimeError: if an optimizer's gradients were unscaled but it did not step and they were not cleared: the
@@ -125,9 +126,9 @@ class GradScalerRecipe:
             self._release_unscaled_without_step(optimizers)
         return self.scaler.scale(tensor)
 
-    def _release_unscaled_without_step(self, optimizers: Iterable[Any]) -> None:
+    def _release_unscaled_without_step(self, optimizers: Callable[[], Iterable[Any]]) -> None:
         states = self.scaler._per_optimizer_states
-        candidates = {id(o): o for o in (*self._unscaled.values(), *optimizers)}
+        candidates = {id(o): o for o in (*self._unscaled.values(), *optimizers())}
         self._unscaled.clear()
         for key, optimizer in candidates.items():
             if self._stage(optimizer) is not OptState.UNSCALED:
@@ -301,14 +302,12 @@ def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-class _AMPRecipePrecision(Precision):
-    """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
-    ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
+class _ScalerRecipeHolder:
+    """What every precision plugin that may drive a gradient scaler holds, in the Trainer as in Fabric: the
+    :class:`GradScalerRecipe` of its ``scaler``, and the wrappers put around the user's optimizers
+    (``LightningOptimizer``, Fabric's optimizer wrapper), which a user may hand to ``scaler.unscale_``.
 
-    Fabric's loop belongs to the user, so Fabric ends an iteration (:meth:`training_iteration_end`, the single
-    ``scaler.update()``) right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the
-    plugin's ``state_dict``: several optimizers fed by one backward are all unscaled with the scale that scaled their
-    gradients. Subclasses set ``scaler`` and call :meth:`_init_amp_recipe` in ``__init__``.
+    Subclasses set ``scaler`` and call :meth:`_init_amp_recipe` in ``__init__``.
 
     """
 
@@ -325,8 +324,17 @@ class _AMPRecipePrecision(Precision):
             self._scaler_recipe = GradScalerRecipe(self.scaler)
         return self._scaler_recipe
 
-    def _aliases(self, optimizer: Optimizer) -> tuple[Any, ...]:
+    def track_optimizer_wrapper(self, wrapper: Any) -> None:
+        self._optimizer_wrappers.add(wrapper)
+
+    def _aliases(self, optimizer: Any) -> tuple[Any, ...]:
+        """The tracked wrappers of ``optimizer``."""
         return tuple(w for w in self._optimizer_wrappers if w.optimizer is optimizer)
+
+    def _known_optimizers(self) -> list[Any]:
+        """Every tracked wrapper and the optimizer it wraps."""
+        wrappers = list(self._optimizer_wrappers)
+        return [*wrappers, *(w.optimizer for w in wrappers)]
 
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle the plugin (e.g. `ddp_spawn`): the weak references to wrappers stay in this process
@@ -338,17 +346,24 @@ class _AMPRecipePrecision(Precision):
         self.__dict__.update(state)
         self._optimizer_wrappers = weakref.WeakSet()
 
-    @override
-    def track_optimizer_wrapper(self, wrapper: Any) -> None:
-        self._optimizer_wrappers.add(wrapper)
+
+class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
+    """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
+    ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
+
+    Fabric's loop belongs to the user, so Fabric ends an iteration (:meth:`training_iteration_end`, the single
+    ``scaler.update()``) right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the
+    plugin's ``state_dict``: several optimizers fed by one backward are all unscaled with the scale that scaled their
+    gradients.
+
+    """
 
     @override
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:
             # the last iteration's single update comes before this one's scaling
             self.training_iteration_end()
-            wrappers = list(self._optimizer_wrappers)
-            tensor = self._recipe.scale(tensor, [*wrappers, *(w.optimizer for w in wrappers)])
+            tensor = self._recipe.scale(tensor, self._known_optimizers)
         super().backward(tensor, model, *args, **kwargs)
 
     @override

@@ -33,7 +33,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe, _autocast_enabled
+from lightning.fabric.plugins.precision.amp_recipe import _autocast_enabled, _ScalerRecipeHolder
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 
-class _AMPRecipePrecision(Precision):
+class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """Backward, clipping and optimizer steps of a precision plugin that autocasts forward code and may scale the loss.
 
     Subclasses set ``scaler`` (a ``GradScaler`` or ``None``), ``precision``, ``cache_enabled`` (whether their autocast
@@ -57,33 +57,17 @@ class _AMPRecipePrecision(Precision):
     def _autocast_device(self) -> str:
         raise NotImplementedError
 
+    @override
     def _init_amp_recipe(self) -> None:
-        self._scaler_recipe: Optional[GradScalerRecipe] = None
-        self._lightning_optimizers: list[LightningOptimizer] = []
+        super()._init_amp_recipe()
         # scaled backward passes so far, and their count at each optimizer's last step (misuse check, manual mode)
         self._scaled_backwards = 0
         self._scaled_backwards_at_step: dict[int, int] = {}
 
-    @property
-    def _recipe(self) -> GradScalerRecipe:
-        assert self.scaler is not None
-        if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
-            self._scaler_recipe = GradScalerRecipe(self.scaler)
-        return self._scaler_recipe
-
-    def __getstate__(self) -> dict[str, Any]:
-        # launchers pickle the plugin (e.g. `ddp_spawn`); the optimizer wrappers refer to the strategy by weak proxy
-        state = self.__dict__.copy()
-        state["_lightning_optimizers"] = []
-        return state
-
-    def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[LightningOptimizer, ...]]:
+    def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[Any, ...]]:
         """The ``torch.optim`` optimizer and the ``LightningOptimizer`` wrappers a user may have unscaled it through."""
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        wrappers = {id(w): w for w in self._lightning_optimizers if w.optimizer is raw}
-        if isinstance(optimizer, LightningOptimizer):
-            wrappers[id(optimizer)] = optimizer
-        return raw, tuple(wrappers.values())
+        return raw, self._aliases(raw)
 
     @contextmanager
     def _outside_forward_context(self) -> Generator[None, None, None]:
@@ -104,11 +88,9 @@ class _AMPRecipePrecision(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        self._lightning_optimizers = module.trainer.strategy._lightning_optimizers
         with self._outside_forward_context():
             if self.scaler is not None:
-                wrappers = self._lightning_optimizers
-                tensor = self._recipe.scale(tensor, [*wrappers, *(w.optimizer for w in wrappers)])
+                tensor = self._recipe.scale(tensor, self._known_optimizers)
                 self._scaled_backwards += 1
             return super().pre_backward(tensor, module)
 
@@ -162,7 +144,6 @@ class _AMPRecipePrecision(Precision):
         loss = closure()  # in manual optimization the closure usually returns nothing
         if not automatic:
             self._check_scaled_backward(optimizer)
-        self._lightning_optimizers = model.trainer.strategy._lightning_optimizers
         optimizer, wrappers = self._unwrap(optimizer)
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on
         steps = not (automatic and loss is None)
