@@ -57,13 +57,16 @@ def _handles_unscaling_itself(optimizer: Any) -> bool:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
-    return _step_takes_grad_scaler(type(optimizer))
+    step = getattr(type(optimizer), "step", None)
+    if step is None:  # `step` set on the instance
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    return _takes_grad_scaler(step)
 
 
 @functools.lru_cache(maxsize=None)
-def _step_takes_grad_scaler(optimizer_class: type) -> bool:
-    # once per class: `inspect.signature` is too slow for every optimizer step
-    return "grad_scaler" in inspect.signature(optimizer_class.step).parameters
+def _takes_grad_scaler(step: Any) -> bool:
+    # once per class's `step`: `inspect.signature` is too slow for every optimizer step
+    return "grad_scaler" in inspect.signature(step).parameters
 
 
 class GradScalerRecipe:
