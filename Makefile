@@ -4,6 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Always this torch: a plain `pip install torch` pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# torch < 2.4 wheels were built against numpy 1 (with numpy 2, `torch.from_numpy`/`.numpy()` raise "Numpy is not available")
+NUMPY := $(if $(filter torch==2.1 torch==2.1.% torch==2.2 torch==2.2.% torch==2.3 torch==2.3.%,$(TORCH)),numpy<2)
+# The torch matrix (issue 13): the oldest torch lightning 2.6.6 declares and the newest this machine's pip allows,
+# each in its own virtual environment. Their PyPI builds are CUDA builds (~2.5 GB) that run fine on a CPU.
+OLDEST_TORCH ?= torch==2.1.2
+NEWEST_TORCH ?= torch==2.14.1
+# What `make test` runs; the matrix leaves out tests/tests_forkbuild (the build's tests do not depend on torch, and are slow)
+TESTS ?= tests
+MATRIX_TESTS ?= tests/tests_pytorch tests/tests_fabric tests/tests_docs
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 UPSTREAM ?=
@@ -11,11 +20,11 @@ BRANCH ?=
 REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
 
-.PHONY: setup install test demo docs bench pr upstream-test tree export wheel clean
+.PHONY: setup install test test-oldest-torch test-newest-torch test-matrix demo docs bench pr upstream-test tree export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" -r requirements/test.txt
+	$(PY) -m pip install --quiet "$(TORCH)" $(if $(NUMPY),"$(NUMPY)") -r requirements/test.txt
 	$(PY) -m pip install --quiet .
 	touch $@
 
@@ -23,12 +32,25 @@ $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 setup: $(VENV)/.deps install
 
 install: $(VENV)/.deps
+	@$(PY) -c 'import sys, torch; want = "$(TORCH)".partition("==")[2]; have = torch.__version__.split("+")[0];\
+	  sys.exit(None if want in ("", have) else f"$(VENV) holds torch {have}, not $(TORCH): give each torch its own VENV=")'
 	$(PY) -m pip install --quiet --force-reinstall --no-deps .
 	$(PY) -m pip check
 
 ## test: every test of the repository, against the fork as installed from this checkout
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+
+## test-oldest-torch / test-newest-torch: the behaviour and docs tests on torch 2.1.2 / 2.14.1 (.venv-torch2.1, .venv-torch2.14);
+##        any other torch: make test TORCH=torch==2.4.1 VENV=.venv-torch2.4 TESTS="tests/tests_pytorch tests/tests_fabric tests/tests_docs"
+test-oldest-torch:
+	$(MAKE) test TORCH="$(OLDEST_TORCH)" VENV=.venv-torch2.1 TESTS="$(MATRIX_TESTS)"
+
+test-newest-torch:
+	$(MAKE) test TORCH="$(NEWEST_TORCH)" VENV=.venv-torch2.14 TESTS="$(MATRIX_TESTS)"
+
+## test-matrix: both ends of the torch matrix (the default torch is `make test`)
+test-matrix: test-oldest-torch test-newest-torch
 
 ## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic
 demo: setup
