@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the fork's two distributions: lightning (this folder) and the standalone pytorch-lightning (built from the same
+# patches and modules, renamed); and the tests' unpatched stock 2.6.6, renamed to stock_pytorch_lightning
+FORK := . ./packaging/pytorch-lightning
+STOCK_WHEEL := $(VENV)/stock-wheel
 # Always this torch: a plain `pip install torch` pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 # torch < 2.4 wheels were built against numpy 1 (with numpy 2, `torch.from_numpy`/`.numpy()` raise "Numpy is not available")
@@ -25,7 +29,7 @@ UPSTREAM_TEST_ARGS ?=
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(NUMPY),"$(NUMPY)") -r requirements/test.txt
-	$(PY) -m pip install --quiet .
+	$(PY) -m pip install --quiet $(FORK)
 	touch $@
 
 ## setup: the virtual environment with torch, the test tools and the fork built from this checkout
@@ -34,7 +38,10 @@ setup: $(VENV)/.deps install
 install: $(VENV)/.deps
 	@$(PY) -c 'import sys, torch; want = "$(TORCH)".partition("==")[2]; have = torch.__version__.split("+")[0];\
 	  sys.exit(None if want in ("", have) else f"$(VENV) holds torch {have}, not $(TORCH): give each torch its own VENV=")'
-	$(PY) -m pip install --quiet --force-reinstall --no-deps .
+	$(PY) -m pip install --quiet --force-reinstall --no-deps --no-build-isolation $(FORK)
+	rm -rf $(STOCK_WHEEL)
+	$(PY) -m forkbuild wheel --flavour stock-pytorch-lightning -o $(STOCK_WHEEL) >/dev/null
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(STOCK_WHEEL)/*.whl
 	$(PY) -m pip check
 
 ## test: every test of the repository, against the fork as installed from this checkout
@@ -85,7 +92,7 @@ tree:
 export:
 	$(PYTHON) -m forkbuild export
 
-## wheel: build dist/lightning-<version>+<label>-py3-none-any.whl
+## wheel: build dist/lightning-<version>+<label>-py3-none-any.whl and dist/pytorch_lightning-<version>+<label>-...whl
 wheel:
 	$(PYTHON) -m forkbuild wheel -o dist
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark's virtual environments, under benchmarks/.venvs/:
 #   torch/  torch (always pinned: a plain `pip install torch` pulls a multi-GB CUDA build) + matplotlib for the chart
-#   fork/   the fork built from this checkout (`pip install <repo root>`)
+#   fork/   the fork built from this checkout (`pip install <repo root> <repo root>/packaging/pytorch-lightning`)
 #   stock/  stock `lightning==2.6.6` from the package index; the hand-written PyTorch loop runs here too
 # fork/ and stock/ see torch/'s packages through a .pth file, so both load the very same torch files: the contenders
 # differ only by their `lightning`, not by two copies of libtorch laid out differently in memory and page cache.
@@ -51,9 +51,9 @@ done
 
 # the fork, from this checkout, every time (the build takes seconds)
 if "$VENVS/fork/bin/python" -m pip show --quiet lightning >/dev/null 2>&1; then
-  "$VENVS/fork/bin/python" -m pip install "${PIP_QUIET[@]}" --force-reinstall --no-deps "$ROOT"
+  "$VENVS/fork/bin/python" -m pip install "${PIP_QUIET[@]}" --force-reinstall --no-deps "$ROOT" "$ROOT/packaging/pytorch-lightning"
 else
-  "$VENVS/fork/bin/python" -m pip install "${PIP_QUIET[@]}" "$ROOT"
+  "$VENVS/fork/bin/python" -m pip install "${PIP_QUIET[@]}" "$ROOT" "$ROOT/packaging/pytorch-lightning"
 fi
 
 for venv in stock fork; do

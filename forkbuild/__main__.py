@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from forkbuild import assemble, devtree, upstream
-from forkbuild.pin import BuildError, read_pin
+from forkbuild.pin import STANDALONE, BuildError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = commands.add_parser("tree", help="materialise the patched tree in .tree/ as a git history")
     tree.add_argument("--force", action="store_true", help="replace an existing .tree/")
     commands.add_parser("export", help="write .tree/'s commits back into patches/ and src/")
-    wheel = commands.add_parser("wheel", help="build the fork's wheel")
+    wheel = commands.add_parser("wheel", help="build the fork's wheels (lightning and pytorch-lightning by default)")
     wheel.add_argument("-o", "--outdir", type=Path, default=Path("dist"))
+    wheel.add_argument("--flavour", action="append", choices=sorted(assemble.FLAVOURS),
+                       help="which wheel (repeatable); stock-pytorch-lightning is the tests' unpatched, renamed copy")
     args = parser.parse_args(argv)
     try:
         if args.command == "tree":
@@ -26,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             print("series:", *devtree.export(), sep="\n  ")
         else:
-            pin = read_pin()
             args.outdir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                print(assemble.write_wheel(pin, upstream.obtain(pin, Path(tmp)), args.outdir))
+            for name in args.flavour or ["lightning", STANDALONE]:
+                flv = assemble.flavour(name)
+                pin = assemble.flavour_pin(flv)
+                with tempfile.TemporaryDirectory() as tmp:
+                    print(assemble.write_wheel(pin, upstream.obtain(pin, Path(tmp)), args.outdir, flv))
     except BuildError as err:
         print(f"forkbuild: {err}", file=sys.stderr)
         return 1

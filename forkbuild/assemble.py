@@ -1,4 +1,14 @@
-"""Assemble the fork's wheel: upstream's files, our modules laid over them, our patch series applied.
+"""Assemble the fork's wheels: upstream's files, our modules laid over them, our patch series applied.
+
+Three flavours come out of the same inputs (:data:`FLAVOURS`):
+
+* ``lightning``: the pinned ``lightning`` wheel, our modules (src/) and the series (patches/) as they are;
+* ``pytorch-lightning``: the pinned standalone ``pytorch_lightning`` wheel (``pytorch_lightning/``,
+  ``lightning_fabric/``), with the same modules and the same series renamed mechanically (forkbuild/rename.py), the
+  way upstream generates its standalone packages; ``lightning`` pins it (``Requires-Dist``) so neither is installed
+  beside a stock copy of the other without an error;
+* ``stock-pytorch-lightning``: for the tests only, the standalone wheel *unpatched*, renamed to
+  ``stock_pytorch_lightning``/``stock_lightning_fabric``, so the negative controls reach stock 2.6.6 beside the fork.
 
 Everything happens in memory and the wheel is written to a temporary name and renamed at the end, so a failure
 (bad hash, a patch that does not apply, a module that would overwrite an upstream file) never leaves a wheel behind.
@@ -10,12 +20,18 @@ import base64
 import hashlib
 import io
 import os
+import re
 import tarfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from forkbuild.patching import Patch, apply_series, read_series
-from forkbuild.pin import ROOT, BuildError, Pin
+from forkbuild.patching import Patch, apply_patch, apply_series, parse, read_series
+from forkbuild.pin import ROOT, STANDALONE, BuildError, Pin, read_pin
+from forkbuild.rename import STANDALONE as STANDALONE_RENAME
+from forkbuild.rename import STOCK as STOCK_RENAME
+from forkbuild.rename import Rename
 
 OVERLAY = ROOT / "src"
 PATCHES = ROOT / "patches"
@@ -26,15 +42,79 @@ SUMMARY = (
     "Lightning {version} patched for correct mixed-precision training (16-mixed / bf16-mixed, manual optimization,"
     " fused optimizers). A fork: the changes and the patch series are described below and in FORK.txt"
 )
+STANDALONE_SUMMARY = (
+    "PyTorch Lightning {version} (pytorch_lightning, lightning_fabric) with the patches of the `lightning` fork for"
+    " correct mixed-precision training. A fork: see FORK.txt and the description below"
+)
+STOCK_SUMMARY = (
+    "TEST ONLY: the unpatched pytorch-lightning {version}, renamed to stock_pytorch_lightning and"
+    " stock_lightning_fabric, for the fork's negative controls, demo and benchmarks. Not for use"
+)
+STOCK = "stock-pytorch-lightning"
+STOCK_DESCRIPTION = """\
+# stock-pytorch-lightning {version} (test only)
+
+The official, unpatched `pytorch_lightning` {version} wheel with its two packages renamed to `stock_pytorch_lightning`
+and `stock_lightning_fabric` (every import and path, mechanically), so that the `lightning` fork's tests, demo and
+benchmarks can run stock {version} in the same environment as the fork. Built by `python -m forkbuild wheel --flavour
+stock-pytorch-lightning`; never install it for anything else.
+"""
 
 
-def overlay_files(root: Path = OVERLAY) -> dict[str, bytes]:
-    """Our own modules, keyed by their path inside the wheel (``lightning/...``)."""
+@dataclass(frozen=True)
+class Flavour:
+    """One wheel the inputs make: its distribution name, the upstream wheel it starts from, how paths are renamed."""
+
+    name: str  # the distribution: lightning, pytorch-lightning, stock-pytorch-lightning
+    upstream: str  # the pin (upstream.toml) of the wheel it starts from
+    rename: Optional[Rename]  # lightning's layout -> this flavour's, for our modules and patches (None: as they are)
+    patched: bool = True  # our modules and the series applied
+    whole: Optional[Rename] = None  # every file of the upstream wheel renamed (the stock copy)
+    summary: str = SUMMARY
+
+    @property
+    def project(self) -> str:
+        return re.sub(r"[-_.]+", "_", self.name).lower()
+
+
+FLAVOURS = {
+    "lightning": Flavour("lightning", "lightning", None),
+    STANDALONE: Flavour(STANDALONE, STANDALONE, STANDALONE_RENAME, summary=STANDALONE_SUMMARY),
+    STOCK: Flavour(STOCK, STANDALONE, None, patched=False, whole=STOCK_RENAME, summary=STOCK_SUMMARY),
+}
+
+
+def flavour(name: Optional[str]) -> Flavour:
+    key = (name or "lightning").strip()
+    if key not in FLAVOURS:
+        raise BuildError(f"unknown flavour {key!r}; one of {', '.join(FLAVOURS)}")
+    return FLAVOURS[key]
+
+
+def version_of(pin: Pin, flv: Flavour) -> str:
+    return pin.fork_version if flv.patched else pin.version
+
+
+def overlay_files(root: Path = OVERLAY, rename: Optional[Rename] = None) -> dict[str, bytes]:
+    """Our own modules, keyed by their path inside the wheel (``lightning/...``, or renamed by ``rename``: modules
+    outside the renamed packages are then left out, as upstream's standalone packages leave them out)."""
     files = {}
     for path in sorted(root.rglob("*")):
         if path.is_file() and not any(part in _SKIP or part.endswith(_SKIP) for part in path.relative_to(root).parts):
             files[path.relative_to(root).as_posix()] = path.read_bytes()
-    return files
+    return files if rename is None else rename.files(files)[0]
+
+
+def series(rename: Optional[Rename] = None, patch_dir: Optional[Path] = None) -> tuple[list[Patch], list[str]]:
+    """The series, parsed, and renamed by ``rename``; with the patched paths that the renamed layout lacks."""
+    patches, unmapped = [], []
+    for path in read_series(patch_dir or PATCHES):
+        patch = parse(path.name, path.read_bytes().decode("utf-8"))
+        if rename is not None:
+            patch, missing = rename.patch(patch)
+            unmapped += missing
+        patches.append(patch)
+    return patches, unmapped
 
 
 def read_upstream(wheel: Path) -> tuple[dict[str, bytes], str]:
@@ -49,24 +129,46 @@ def read_upstream(wheel: Path) -> tuple[dict[str, bytes], str]:
     return files, dist_info
 
 
-def _metadata(upstream: bytes, pin: Pin, readme: str) -> bytes:
-    """Upstream's METADATA with our version, a summary that says this is a fork, and our README as description."""
+#: ``lightning``'s requirement on its standalone companion, which the fork replaces by a pin of the patched one
+_COMPANION = re.compile(r"^Requires-Dist: pytorch-lightning\s*(;.*)?$")
+
+
+def _metadata(upstream: bytes, pin: Pin, readme: str, flv: Optional[Flavour] = None) -> bytes:
+    """Upstream's METADATA with our version, a summary that says this is a fork, and our README as description.
+
+    ``lightning`` 2.6.6 requires ``pytorch-lightning`` (any version); the fork requires exactly the patched one
+    (``pytorch-lightning==2.6.6+amp.1``), so that pip and uv refuse to pair it with a stock copy."""
+    flv = flv or FLAVOURS["lightning"]
     head, _, _ = upstream.decode("utf-8").partition("\n\n")
     lines = []
     for line in head.splitlines():
-        if line.startswith("Version: "):
-            line = f"Version: {pin.fork_version}"
+        if line.startswith("Name: ") and flv.whole is not None:
+            line = f"Name: {flv.name}"
+        elif line.startswith("Version: "):
+            line = f"Version: {version_of(pin, flv)}"
         elif line.startswith("Summary: "):
-            line = "Summary: " + SUMMARY.format(version=pin.version)
+            line = "Summary: " + flv.summary.format(version=pin.version)
         elif line.startswith("Description-Content-Type: "):
             line = "Description-Content-Type: text/markdown"
+        elif flv.name == "lightning" and _COMPANION.match(line):
+            marker = _COMPANION.match(line).group(1) or ""
+            line = f"Requires-Dist: {STANDALONE}=={pin.fork_version}{marker}"
         lines.append(line)
     return ("\n".join(lines) + "\n\n" + readme).encode("utf-8")
 
 
-def _fork_txt(pin: Pin, patches: list[Patch], overlay: dict[str, bytes]) -> bytes:
+def _fork_txt(pin: Pin, patches: list[Patch], overlay: dict[str, bytes], flv: Optional[Flavour] = None,
+              unmapped: tuple[str, ...] = ()) -> bytes:
     out = [
         f"Fork of {pin.requirement} (wheel sha256 {pin.sha256}), version {pin.fork_version}.",
+    ]
+    if flv is not None and flv.rename is not None:
+        renames = ", ".join(f"{a} -> {b}" for a, b in flv.rename.packages)
+        out += [f"The patches and modules of the lightning fork, renamed mechanically ({renames})."]
+        if unmapped:
+            out += ["Patched files of lightning that this distribution does not have (not applied here):"]
+            out += [f"  {name}" for name in unmapped]
+    out += [
         "",
         "Patches applied, in order:",
     ]
@@ -84,28 +186,49 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
-def fork_files(pin: Pin, upstream_wheel: Path) -> dict[str, bytes]:
-    """Every file of the fork's wheel, RECORD included, in wheel order (the .dist-info folder last)."""
-    files, upstream_dist_info = read_upstream(upstream_wheel)
-    overlay = overlay_files()
-    clashes = sorted(set(overlay) & set(files))
-    if clashes:
-        raise BuildError(
-            f"src/ would overwrite upstream files {clashes}: change upstream files with a patch in patches/, never by"
-            " laying a copy over them"
-        )
-    patches = apply_series(PATCHES, files)
-    files.update(overlay)
-    version_info = f"{pin.name}/version.info"
-    if version_info not in files:
-        raise BuildError(f"upstream wheel has no {version_info}; the fork cannot set its version")
-    files[version_info] = (pin.fork_version + "\n").encode("ascii")
+def _version_infos(flv: Flavour) -> list[str]:
+    if flv.rename is None:
+        return ["lightning/version.info"]
+    return [f"{dst.replace('.', '/')}/version.info" for _, dst in flv.rename.packages]
 
-    dist_info = f"{pin.name}-{pin.fork_version}.dist-info"
-    package = {k: v for k, v in files.items() if not k.startswith(upstream_dist_info + "/")}
+
+def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None) -> dict[str, bytes]:
+    """Every file of the flavour's wheel (the fork's ``lightning`` by default), RECORD included, in wheel order (the
+    .dist-info folder last). ``pin`` is the pin of the flavour's upstream wheel."""
+    flv = flv or FLAVOURS["lightning"]
+    files, upstream_dist_info = read_upstream(upstream_wheel)
+    version = version_of(pin, flv)
     meta = {k[len(upstream_dist_info) + 1 :]: v for k, v in files.items() if k.startswith(upstream_dist_info + "/")}
-    meta["METADATA"] = _metadata(meta["METADATA"], pin, README.read_text(encoding="utf-8"))
-    meta["FORK.txt"] = _fork_txt(pin, patches, overlay)
+    package = {k: v for k, v in files.items() if not k.startswith(upstream_dist_info + "/")}
+    fork_txt = None
+    if flv.whole is not None:  # the stock copy: everything renamed, nothing patched
+        package, unmapped = flv.whole.files(package)
+        if unmapped:
+            raise BuildError(f"{upstream_wheel.name}: files outside the renamed packages: {unmapped}")
+        meta = {k: flv.whole.data(v) if k == "top_level.txt" else v for k, v in meta.items()}
+    if flv.patched:
+        overlay = overlay_files(rename=flv.rename)
+        clashes = sorted(set(overlay) & set(package))
+        if clashes:
+            raise BuildError(
+                f"src/ would overwrite upstream files {clashes}: change upstream files with a patch in patches/, never"
+                " by laying a copy over them"
+            )
+        patches, unmapped = series(flv.rename)
+        for patch in patches:
+            apply_patch(patch, package)
+        package.update(overlay)
+        for version_info in _version_infos(flv):
+            if version_info not in package:
+                raise BuildError(f"upstream wheel has no {version_info}; the fork cannot set its version")
+            package[version_info] = (version + "\n").encode("ascii")
+        fork_txt = _fork_txt(pin, patches, overlay, flv, tuple(unmapped))
+
+    dist_info = f"{flv.project}-{version}.dist-info"
+    readme = README.read_text(encoding="utf-8") if flv.patched else STOCK_DESCRIPTION.format(version=pin.version)
+    meta["METADATA"] = _metadata(meta["METADATA"], pin, readme, flv)
+    if fork_txt is not None:
+        meta["FORK.txt"] = fork_txt
     out = dict(sorted(package.items()))
     out.update({f"{dist_info}/{k}": v for k, v in sorted(meta.items())})
     record = [_record_line(name, data) for name, data in out.items()] + [f"{dist_info}/RECORD,,"]
@@ -113,8 +236,9 @@ def fork_files(pin: Pin, upstream_wheel: Path) -> dict[str, bytes]:
     return out
 
 
-def wheel_name(pin: Pin) -> str:
-    return f"{pin.name}-{pin.fork_version}-py3-none-any.whl"
+def wheel_name(pin: Pin, flv: Optional[Flavour] = None) -> str:
+    flv = flv or FLAVOURS.get(pin.name, FLAVOURS["lightning"])
+    return f"{flv.project}-{version_of(pin, flv)}-py3-none-any.whl"
 
 
 def _zip_info(name: str) -> zipfile.ZipInfo:
@@ -124,9 +248,10 @@ def _zip_info(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path) -> Path:
-    files = fork_files(pin, upstream_wheel)
-    target = Path(directory) / wheel_name(pin)
+def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path, flv: Optional[Flavour] = None) -> Path:
+    flv = flv or FLAVOURS.get(pin.name, FLAVOURS["lightning"])
+    files = fork_files(pin, upstream_wheel, flv)
+    target = Path(directory) / wheel_name(pin, flv)
     partial = target.with_name(target.name + ".part")
     with zipfile.ZipFile(partial, "w") as z:
         for name, data in files.items():
@@ -135,18 +260,29 @@ def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path) -> Path:
     return target
 
 
-SDIST_MEMBERS = ("pyproject.toml", "upstream.toml", "README.md", "LICENSE", "forkbuild", "src", "patches")
+SDIST_MEMBERS = ("pyproject.toml", "upstream.toml", "README.md", "LICENSE", "forkbuild", "src", "patches", "packaging")
+#: the standalone flavour's own build recipe (its pyproject and backend module), which its sdist has at the top
+STANDALONE_RECIPE = ROOT / "packaging" / STANDALONE
 
 
-def write_sdist(pin: Pin, directory: Path) -> Path:
-    """A source distribution: the recipe (pin, our modules, patches, build tooling), never upstream's code."""
-    base = f"{pin.name}-{pin.fork_version}"
+def write_sdist(pin: Pin, directory: Path, flv: Optional[Flavour] = None) -> Path:
+    """A source distribution: the recipe (pin, our modules, patches, build tooling), never upstream's code.
+
+    The standalone flavour's sdist has its own pyproject.toml (packaging/pytorch-lightning's) at the top, beside
+    the same recipe."""
+    flv = flv or FLAVOURS.get(pin.name, FLAVOURS["lightning"])
+    version = version_of(pin, flv)
+    base = f"{flv.project}-{version}"
     target = Path(directory) / f"{base}.tar.gz"
     partial = target.with_name(target.name + ".part")
     pkg_info = (
-        f"Metadata-Version: 2.1\nName: {pin.name}\nVersion: {pin.fork_version}\n"
-        f"Summary: {SUMMARY.format(version=pin.version)}\n"
+        f"Metadata-Version: 2.1\nName: {flv.name}\nVersion: {version}\n"
+        f"Summary: {flv.summary.format(version=pin.version)}\n"
     ).encode("utf-8")
+    top: dict[str, bytes] = {}
+    if flv.name != "lightning":
+        top = {p.name: p.read_bytes() for p in sorted(STANDALONE_RECIPE.iterdir()) if p.is_file()
+               and not p.name.endswith(_SKIP)}
     with tarfile.open(partial, "w:gz", format=tarfile.PAX_FORMAT) as tar:
 
         def add(name: str, data: bytes) -> None:
@@ -155,15 +291,23 @@ def write_sdist(pin: Pin, directory: Path) -> Path:
             tar.addfile(info, io.BytesIO(data))
 
         add("PKG-INFO", pkg_info)
+        for name, data in top.items():
+            add(name, data)
         for member in SDIST_MEMBERS:
             path = ROOT / member
             paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
             for p in paths:
-                if not any(part in _SKIP or part.endswith(_SKIP) for part in p.relative_to(ROOT).parts):
-                    add(p.relative_to(ROOT).as_posix(), p.read_bytes())
+                name = p.relative_to(ROOT).as_posix()
+                if name not in top and not any(part in _SKIP or part.endswith(_SKIP) for part in
+                                               p.relative_to(ROOT).parts):
+                    add(name, p.read_bytes())
     os.replace(partial, target)
     return target
 
 
 def series_names() -> list[str]:
     return [p.name for p in read_series(PATCHES)]
+
+
+def flavour_pin(flv: Flavour) -> Pin:
+    return read_pin(distribution=flv.upstream)

@@ -21,7 +21,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from forkbuild import assemble, upstream
+from typing import Optional
+
+from forkbuild import assemble, stamp, upstream
 from forkbuild.patching import apply_file, parse, read_series
 from forkbuild.pin import ROOT, BuildError, read_pin
 
@@ -41,8 +43,11 @@ def _commit(tree: Path, message: str) -> None:
     _git(tree, "commit", "-q", "--allow-empty", "-m", message)
 
 
-def materialise(tree: Path = TREE, force: bool = False) -> Path:
-    """Write upstream + overlay + one commit per patch into ``tree`` as a fresh git repository."""
+def materialise(tree: Path = TREE, force: bool = False, upstream_wheel: Optional[Path] = None) -> Path:
+    """Write upstream + overlay + one commit per patch into ``tree`` as a fresh git repository.
+
+    The overlay commit also sets ``lightning/version.info`` to the fork's version (as the wheel does), so that an
+    editable install (forkbuild/editable.py) reports ``2.6.6+amp.1``."""
     if tree.exists():
         if not force:
             raise BuildError(f"{tree} exists; pass --force to replace it (uncommitted work there is lost)")
@@ -50,7 +55,8 @@ def materialise(tree: Path = TREE, force: bool = False) -> Path:
     pin = read_pin()
     src = tree / "src"
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = upstream.obtain(pin, Path(tmp))
+        wheel = upstream_wheel if upstream_wheel is not None else upstream.obtain(pin, Path(tmp))
+        upstream.verify(pin, wheel)
         with zipfile.ZipFile(wheel) as z:
             for info in z.infolist():
                 if not info.is_dir() and not info.filename.split("/", 1)[0].endswith(".dist-info"):
@@ -67,7 +73,8 @@ def materialise(tree: Path = TREE, force: bool = False) -> Path:
             raise BuildError(f"src/{name} would overwrite an upstream file; change it with a patch instead")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-    _commit(tree, "overlay: the fork's own modules (src/)")
+    (src / "lightning" / "version.info").write_text(pin.fork_version + "\n", encoding="ascii")
+    _commit(tree, "overlay: the fork's own modules (src/) and its version (lightning/version.info)")
     _git(tree, "tag", "overlay")
     for path in read_series(assemble.PATCHES):
         patch = parse(path.name, path.read_text(encoding="utf-8"))
@@ -78,7 +85,24 @@ def materialise(tree: Path = TREE, force: bool = False) -> Path:
             target.write_text(apply_file(patch, file_patch, target.read_text(encoding="utf-8")), encoding="utf-8")
         stem = path.name[: -len(".patch")] if path.name.endswith(".patch") else path.name
         _commit(tree, f"{stem}\n\n{patch.header.strip()}\n")
+    stamp.write(tree, ROOT)
     return tree
+
+
+def matches_inputs(tree: Path, upstream_wheel: Path) -> bool:
+    """Whether ``tree/src`` holds exactly the package that the checkout's inputs build (its working files)."""
+    pin = read_pin()
+    built = assemble.fork_files(pin, upstream_wheel)
+    package = {k: v for k, v in built.items() if not k.split("/", 1)[0].endswith(".dist-info")}
+    src = tree / "src"
+    if not src.is_dir():
+        return False
+    present = {
+        p.relative_to(src).as_posix(): p for p in src.rglob("*")
+        if p.is_file() and not any(part == "__pycache__" or part.endswith((".pyc", ".pyo")) for part in
+                                   p.relative_to(src).parts)
+    }
+    return present.keys() == package.keys() and all(present[k].read_bytes() == v for k, v in package.items())
 
 
 def export(tree: Path = TREE) -> list[str]:
@@ -117,4 +141,5 @@ def export(tree: Path = TREE) -> list[str]:
         target = overlay_root / name[len("src/") :]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes((tree / name).read_bytes())
+    stamp.write(tree, ROOT)  # the inputs now say what the tree says
     return written

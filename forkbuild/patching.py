@@ -167,6 +167,20 @@ def read_series(patch_dir: Path) -> list[Path]:
     return paths
 
 
+def apply_patch(patch: Patch, files: dict[str, bytes], prefix: str = "src/") -> None:
+    """Apply one parsed patch to ``files`` (path inside the wheel -> content), in memory, all or nothing."""
+    staged = {}
+    for file_patch in patch.files:
+        if not file_patch.path.startswith(prefix):
+            raise PatchError(f"patch {patch.name}: {file_patch.path} is outside {prefix}; only the package is built")
+        key = file_patch.path[len(prefix) :]
+        if key not in files and key not in staged:
+            raise PatchError(f"patch {patch.name} does not apply to {file_patch.path}: no such upstream file")
+        text = staged[key] if key in staged else files[key].decode("utf-8")
+        staged[key] = apply_file(patch, file_patch, text)
+    files.update({key: text.encode("utf-8") for key, text in staged.items()})
+
+
 def apply_series(patch_dir: Path, files: dict[str, bytes], prefix: str = "src/") -> list[Patch]:
     """Apply the series to ``files`` (upstream path without ``prefix`` -> content), in memory, all or nothing.
 
@@ -177,13 +191,7 @@ def apply_series(patch_dir: Path, files: dict[str, bytes], prefix: str = "src/")
     applied = []
     for path in read_series(patch_dir):
         patch = parse(path.name, path.read_bytes().decode("utf-8"))
-        for file_patch in patch.files:
-            if not file_patch.path.startswith(prefix):
-                raise PatchError(f"patch {patch.name}: {file_patch.path} is outside {prefix}; only the package is built")
-            key = file_patch.path[len(prefix) :]
-            if key not in staged:
-                raise PatchError(f"patch {patch.name} does not apply to {file_patch.path}: no such upstream file")
-            staged[key] = apply_file(patch, file_patch, staged[key].decode("utf-8")).encode("utf-8")
+        apply_patch(patch, staged, prefix)
         applied.append(patch)
     files.update(staged)
     return applied

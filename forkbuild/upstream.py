@@ -64,7 +64,14 @@ def verify(pin: Pin, wheel: Path) -> Path:
 
 
 def _from_local(pin: Pin, source: Path) -> Path:
-    wheel = source / pin.filename if source.is_dir() else source
+    """The wheel at ``source``, or in the folder ``source``. Given another file of the same folder (the other
+    distribution's wheel: one setting serves both builds), the pinned file beside it."""
+    if source.is_dir():
+        wheel = source / pin.filename
+    elif source.name != pin.filename and (source.parent / pin.filename).is_file():
+        wheel = source.parent / pin.filename
+    else:
+        wheel = source
     if not wheel.is_file():
         where = f"folder {source}" if source.is_dir() else f"path {source}"
         raise BuildError(

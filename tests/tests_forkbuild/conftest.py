@@ -23,7 +23,10 @@ if str(REPO) not in sys.path:  # `forkbuild` lives at the repository root, which
     sys.path.insert(0, str(REPO))
 
 from forkbuild import assemble, upstream  # noqa: E402
-from forkbuild.pin import Pin, read_pin  # noqa: E402
+from forkbuild.pin import STANDALONE, Pin, read_pin  # noqa: E402
+
+#: the standalone distribution's build recipe, relative to the repository root
+STANDALONE_RECIPE = Path("packaging") / STANDALONE
 
 # pip settings that would let a build reach a package index; `offline_env` removes them all
 _INDEX_VARS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "UV_DEFAULT_INDEX", "UV_INDEX_URL",
@@ -73,7 +76,8 @@ def pip_wheel(
 
 
 def only_wheel(out: Path, pin: Pin) -> Path:
-    """The one file a successful build leaves: the fork's wheel, under its canonical name."""
+    """The one file a successful build leaves: the fork's wheel (``lightning`` or ``pytorch-lightning``, as ``pin``
+    says), under its canonical name."""
     found = sorted(p.name for p in out.iterdir())
     assert found == [assemble.wheel_name(pin)], found
     return out / found[0]
@@ -97,31 +101,98 @@ def pin() -> Pin:
     return read_pin()
 
 
+def _download(requirement: str, folder: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:", "-d", str(folder)],
+        env=base_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, f"pip download {requirement} failed:\n{done.stderr}"
+
+
 @pytest.fixture(scope="session")
-def upstream_wheel(pin: Pin, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pinned upstream wheel: ``$LIGHTNING_FORK_UPSTREAM_WHEEL`` (file or folder) or else ``pip download``."""
+def upstream_dir(pin: Pin, standalone_pin: Pin, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder with both pinned upstream wheels (lightning, pytorch_lightning): ``$LIGHTNING_FORK_UPSTREAM_WHEEL``
+    (a folder, or a file whose folder holds both) or else ``pip download``. Pointing the build at either wheel of it
+    serves both flavours."""
     given = os.environ.get(upstream.ENV_VAR)
     if given:
         path = Path(given).expanduser()
-        wheel = path / pin.filename if path.is_dir() else path
+        folder = path if path.is_dir() else path.parent
     else:
         folder = tmp_path_factory.mktemp("upstream")
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", pin.requirement, "--no-deps", "--only-binary=:all:", "-d",
-             str(folder)],
-            env=base_env(), capture_output=True, text=True, timeout=300,
-        )
-        assert done.returncode == 0, f"pip download {pin.requirement} failed:\n{done.stderr}"
-        wheel = folder / pin.filename
-    assert wheel.is_file(), f"no upstream wheel at {wheel}"
-    assert upstream.sha256_of(wheel) == pin.sha256, f"{wheel} is not the pinned upstream wheel"
-    return wheel
+    for p in (pin, standalone_pin):
+        if not (folder / p.filename).is_file():
+            assert not given, f"{upstream.ENV_VAR}={given}: no {p.filename} there (both upstream wheels are needed)"
+            _download(p.requirement, folder)
+        assert upstream.sha256_of(folder / p.filename) == p.sha256, f"{folder / p.filename} is not the pinned wheel"
+    return folder
+
+
+@pytest.fixture(scope="session")
+def upstream_wheel(pin: Pin, upstream_dir: Path) -> Path:
+    """The pinned upstream ``lightning`` wheel."""
+    return upstream_dir / pin.filename
+
+
+@pytest.fixture(scope="session")
+def standalone_pin() -> Pin:
+    return read_pin(distribution=STANDALONE)
+
+
+@pytest.fixture(scope="session")
+def standalone_upstream_wheel(standalone_pin: Pin, upstream_dir: Path) -> Path:
+    """The pinned upstream ``pytorch_lightning`` wheel."""
+    return upstream_dir / standalone_pin.filename
+
+
+def wheel_files(wheel: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(wheel) as z:
+        return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+
+
+@pytest.fixture(scope="session")
+def standalone_upstream_files(standalone_upstream_wheel: Path) -> dict[str, bytes]:
+    return wheel_files(standalone_upstream_wheel)
+
+
+@pytest.fixture(scope="session")
+def standalone_wheel(
+    standalone_pin: Pin, upstream_wheel: Path, repo_snapshot: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The fork's ``pytorch-lightning`` wheel, built by pip from packaging/pytorch-lightning of the build inputs,
+    offline (the setting names the lightning wheel: the build takes the pytorch_lightning wheel beside it)."""
+    out = tmp_path_factory.mktemp("standalone-wheel")
+    done = pip_wheel(repo_snapshot / STANDALONE_RECIPE, out, offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
+    assert done.returncode == 0, done.stdout
+    return only_wheel(out, standalone_pin)
+
+
+@pytest.fixture(scope="session")
+def standalone_files(standalone_wheel: Path) -> dict[str, bytes]:
+    return wheel_files(standalone_wheel)
+
+
+def build_stock(repo: Path, upstream_dir: Path, out: Path) -> Path:
+    """``python -m forkbuild wheel --flavour stock-pytorch-lightning`` (what the Makefile runs), offline."""
+    done = subprocess.run(
+        [sys.executable, "-m", "forkbuild", "wheel", "--flavour", assemble.STOCK, "-o", str(out)], cwd=repo,
+        env=offline_env(**{upstream.ENV_VAR: str(upstream_dir)}), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    wheels = sorted(out.glob("*.whl"))
+    assert [w.name for w in wheels] == ["stock_pytorch_lightning-2.6.6-py3-none-any.whl"]
+    return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def stock_wheel(upstream_dir: Path, repo_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' unpatched stock 2.6.6, renamed to ``stock_pytorch_lightning`` / ``stock_lightning_fabric``."""
+    return build_stock(repo_snapshot, upstream_dir, tmp_path_factory.mktemp("stock-wheel"))
 
 
 @pytest.fixture(scope="session")
 def upstream_files(upstream_wheel: Path) -> dict[str, bytes]:
-    with zipfile.ZipFile(upstream_wheel) as z:
-        return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+    return wheel_files(upstream_wheel)
 
 
 @pytest.fixture(scope="session")
@@ -143,8 +214,7 @@ def fork_wheel(pin: Pin, upstream_wheel: Path, repo_snapshot: Path, tmp_path_fac
 
 @pytest.fixture(scope="session")
 def fork_files(fork_wheel: Path) -> dict[str, bytes]:
-    with zipfile.ZipFile(fork_wheel) as z:
-        return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+    return wheel_files(fork_wheel)
 
 
 @pytest.fixture
@@ -162,4 +232,7 @@ def helpers() -> SimpleNamespace:
         pip_wheel=pip_wheel,
         only_wheel=only_wheel,
         copy_build_inputs=copy_build_inputs,
+        wheel_files=wheel_files,
+        build_stock=build_stock,
+        STANDALONE_RECIPE=STANDALONE_RECIPE,
     )

@@ -237,12 +237,16 @@ def test_metadata(pin: Pin, built, upstream_files: dict[str, bytes]) -> None:
     assert ours["Version"] == "2.6.6+amp.1"
     assert "fork" in ours["Summary"].lower()
     assert ours["Summary"] != theirs["Summary"]
-    # dependencies are upstream's, line for line and in order
-    assert ours.get_all("Requires-Dist") == theirs.get_all("Requires-Dist")
-    assert ours.get_all("Requires-Dist")
+    # dependencies are upstream's, line for line and in order, but for the companion: upstream requires any
+    # pytorch-lightning, the fork exactly its own patched one
+    companion = f"pytorch-lightning=={pin.fork_version}"
+    assert theirs.get_all("Requires-Dist").count("pytorch-lightning") == 1
+    assert ours.get_all("Requires-Dist") == [companion if r == "pytorch-lightning" else r
+                                             for r in theirs.get_all("Requires-Dist")]
+    assert companion == "pytorch-lightning==2.6.6+amp.1"
     assert ours.get_all("Provides-Extra") == theirs.get_all("Provides-Extra")
     # and so is every other field (the description aside)
-    changed = {"Version", "Summary", "Description-Content-Type"}
+    changed = {"Version", "Summary", "Description-Content-Type", "Requires-Dist"}
     assert [kv for kv in ours.items() if kv[0] not in changed] == [kv for kv in theirs.items() if kv[0] not in changed]
     assert ours["Description-Content-Type"] == "text/markdown"
     assert ours.get_payload().strip() == (repo / "README.md").read_text().strip()
