@@ -20,8 +20,9 @@ What is compared
     * through the fork's ``lightning`` Trainer, in manual optimization (``self.manual_backward``,
       ``self.clip_gradients``, ``opt.step()``, written as the Lightning docs say: no autocast, no scaler in user code)
       and in automatic optimization (``Trainer(gradient_clip_val=...)``);
-    * through the stock ``pytorch_lightning`` 2.6.6 Trainer, the same two ways. It is installed next to the fork (the
-      ``lightning`` package depends on it) and is exactly upstream's release: it shows what the fork fixes;
+    * through the stock 2.6.6 Trainer, the same two ways: ``stock_pytorch_lightning``, upstream's ``pytorch_lightning``
+      2.6.6 wheel unpatched, with its packages renamed so that it installs next to the fork (``make setup`` builds and
+      installs it): it shows what the fork fixes;
 
     each in precision ``32``, ``bf16-mixed`` and ``16-mixed``. On a CPU, ``precision="16-mixed"`` alone silently
     becomes bf16, so 16-mixed is requested as ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``: float16
@@ -77,7 +78,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 AMP_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 MODES = ("manual", "automatic")
 #: label -> importable package: the fork, and the unpatched upstream release as the negative control
-PACKAGES = {"fork": "lightning", "stock": "pytorch_lightning"}
+PACKAGES = {"fork": "lightning", "stock": "stock_pytorch_lightning"}
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "Adafactor": lambda params: torch.optim.Adafactor(params, lr=0.01),
@@ -232,8 +233,8 @@ def load_lightning(package: str) -> SimpleNamespace:
         import lightning.pytorch as pl
         from lightning.pytorch.plugins.precision import MixedPrecision
     else:
-        import pytorch_lightning as pl
-        from pytorch_lightning.plugins.precision import MixedPrecision
+        import stock_pytorch_lightning as pl
+        from stock_pytorch_lightning.plugins.precision import MixedPrecision
     return SimpleNamespace(Trainer=pl.Trainer, MixedPrecision=MixedPrecision, Module=lightning_module_class(pl))
 
 
@@ -335,7 +336,7 @@ def print_table(recipes: dict[tuple[str, str], Run], runs: list[Run]) -> None:
             equal = "yes" if run.bitwise_equal(reference) else "NO"
             diff = run.max_abs_diff(reference)
             print(TABLE_ROW.format("", "", name, f"{diff:.3g}", equal, f"{run.final_loss:.5f}"))
-    print("fork = this repository's `lightning`; stock = `pytorch_lightning` 2.6.6, unpatched.")
+    print("fork = this repository's `lightning`; stock = `stock_pytorch_lightning` 2.6.6, unpatched.")
     print("0 is the promise: every run of the fork equals the recipe bit for bit.")
 
 
@@ -397,7 +398,7 @@ def save_plot(recipes: dict[tuple[str, str], Run], runs: list[Run], path: Path) 
 def import_lightning() -> ModuleType:
     """Import the fork (``lightning``) and the stock package, and refuse a ``lightning`` that is not the fork."""
     import lightning
-    import pytorch_lightning  # noqa: F401  (imported now, so that `quiet_lightning` reaches its loggers)
+    import stock_pytorch_lightning  # noqa: F401  (imported now, so that `quiet_lightning` reaches its loggers)
 
     if importlib.util.find_spec("lightning.fabric.plugins.precision.amp_recipe") is None:
         sys.exit(
@@ -409,7 +410,7 @@ def import_lightning() -> ModuleType:
 
 def quiet_lightning() -> None:
     """Silence the Trainer's banners, and warnings about this toy setup that have nothing to do with precision."""
-    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"):
+    for name in ("lightning.pytorch", "lightning.fabric", "stock_pytorch_lightning", "stock_lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="the plot's path (artifacts/amp_demo.png)")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run ({STEPS})")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), action="append", help="only these optimizers")
-    parser.add_argument("--no-stock", action="store_true", help="skip the stock pytorch_lightning 2.6.6 runs")
+    parser.add_argument("--no-stock", action="store_true", help="skip the stock 2.6.6 runs (stock_pytorch_lightning)")
     args = parser.parse_args(argv)
 
     lightning = import_lightning()

@@ -21,7 +21,8 @@ back-off happen at a known place. Clip values are small enough that every finite
 records what clipping saw and the tests assert it).
 
 The Fabric side is built by :func:`fabric_api` from a package: the fork (``lightning.fabric``) or the unpatched Fabric
-2.6.6 that ships with ``pytorch_lightning`` as ``lightning_fabric`` (the negative controls).
+2.6.6, ``stock_lightning_fabric`` (the tests' stock-pytorch-lightning wheel: upstream's pytorch_lightning 2.6.6 wheel,
+unpatched, renamed; the negative controls).
 """
 
 import contextlib
@@ -309,18 +310,18 @@ def _cached_recipe_run(cell: Cell) -> Run:
 # the Fabric side
 # --------------------------------------------------------------------------------------------------------------------
 
-PACKAGES = ("lightning", "lightning_fabric")
+PACKAGES = ("lightning", "stock_lightning_fabric")
 
 
 @functools.lru_cache(maxsize=None)
 def fabric_api(package: str) -> SimpleNamespace:
-    """Fabric of the fork (``lightning``) or the unpatched Fabric 2.6.6 shipped with ``pytorch_lightning``."""
+    """Fabric of the fork (``lightning``) or the unpatched Fabric 2.6.6 (``stock_lightning_fabric``)."""
     if package == "lightning":
         from lightning.fabric import Fabric
         from lightning.fabric.plugins.precision import MixedPrecision
-    elif package == "lightning_fabric":
-        from lightning_fabric import Fabric
-        from lightning_fabric.plugins.precision import MixedPrecision
+    elif package == "stock_lightning_fabric":
+        from stock_lightning_fabric import Fabric
+        from stock_lightning_fabric.plugins.precision import MixedPrecision
     else:
         raise ValueError(package)
     return SimpleNamespace(Fabric=Fabric, MixedPrecision=MixedPrecision)

@@ -13,9 +13,9 @@ cover:
 4. ``optimizer.step_was_skipped``: true exactly on the steps whose gradients held inf, false without a scaler;
 5. the scaler saved and restored by ``fabric.save``/``fabric.load``.
 
-The negative controls run the same cells against the unpatched Fabric 2.6.6 that ships with ``pytorch_lightning`` as
-``lightning_fabric`` (in this process: it is a separate package, so no subprocess is needed, and it stays the stock
-copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
+The negative controls run the same cells against the unpatched Fabric 2.6.6, ``stock_lightning_fabric`` (upstream's
+pytorch_lightning wheel renamed; in this process: it is a separate package, so no subprocess is needed, and it stays
+the stock copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
 """
 
 import warnings
@@ -334,7 +334,7 @@ def test_resume_without_precision_in_state_restarts_the_scale(tmp_path):
     "package",
     [
         "lightning",  # `fabric.save` ends the iteration first (patch 0015)
-        "lightning_fabric",
+        "stock_lightning_fabric",
     ],
 )
 def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
@@ -348,12 +348,12 @@ def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# negative controls: stock Fabric 2.6.6 (``lightning_fabric``) fails these comparisons
+# negative controls: stock Fabric 2.6.6 (``stock_lightning_fabric``) fails these comparisons
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def test_stock_fabric_is_the_unpatched_copy():
-    stock = fabric_api("lightning_fabric").MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    stock = fabric_api("stock_lightning_fabric").MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     assert not hasattr(stock, "optimizer_step_was_skipped")
     assert not hasattr(stock, "_recipe")
 
@@ -364,7 +364,7 @@ def test_stock_fabric_cannot_clip_fused(optimizer, clip):
     cell = Cell("16-mixed", optimizer, fused=True, clip=clip)
     _check(cell)
     with pytest.raises(NotImplementedError, match="Gradient clipping is not implemented"):
-        fabric_run(cell, "lightning_fabric")
+        fabric_run(cell, "stock_lightning_fabric")
 
 
 @pytest.mark.parametrize(
@@ -379,7 +379,7 @@ def test_stock_fabric_cannot_clip_fused(optimizer, clip):
 def test_stock_fabric_raises_on_a_second_unscale_or_update(cell, error):
     _check(cell)
     with pytest.raises((RuntimeError, AssertionError), match=error):
-        fabric_run(cell, "lightning_fabric")
+        fabric_run(cell, "stock_lightning_fabric")
 
 
 def test_stock_fabric_unscales_twice_through_the_wrapper():
@@ -388,7 +388,7 @@ def test_stock_fabric_unscales_twice_through_the_wrapper():
     cell = Cell("16-mixed", clip="norm", unscaler="user-wrapper")
     recipe = cached_recipe_run(cell)
     assert_same_run(fabric_run(cell), recipe)
-    stock = fabric_run(cell, "lightning_fabric")
+    stock = fabric_run(cell, "stock_lightning_fabric")
     assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
 
 
@@ -398,14 +398,14 @@ def test_stock_fabric_updates_after_every_step():
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
     recipe = cached_recipe_run(cell)
     assert_same_run(fabric_run(cell), recipe)
-    stock = fabric_run(cell, "lightning_fabric")
+    stock = fabric_run(cell, "stock_lightning_fabric")
     assert stock.scales != recipe.scales
     assert stock.final_scale != recipe.final_scale
     assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
 
 
 def test_stock_fabric_has_no_skip_signal():
-    stock = fabric_run(Cell("16-mixed", "AdamW"), "lightning_fabric")
+    stock = fabric_run(Cell("16-mixed", "AdamW"), "stock_lightning_fabric")
     assert all(flag is None for row in stock.skipped for flag in row)
 
 
