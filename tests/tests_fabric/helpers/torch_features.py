@@ -36,6 +36,11 @@ HAS_AMP_GRAD_SCALER = hasattr(torch.amp, "GradScaler")
 #: ``GradScaler(enabled=False)`` works everywhere, which is what the 32-true/bf16-mixed reference loops use)
 GradScaler = torch.amp.GradScaler if HAS_AMP_GRAD_SCALER else torch.cuda.amp.GradScaler
 
+if HAS_AMP_GRAD_SCALER:
+    from torch.amp.grad_scaler import OptState
+else:  # torch < 2.3
+    from torch.cuda.amp.grad_scaler import OptState  # noqa: F401
+
 #: ``torch.is_autocast_enabled(device_type)`` (and ``torch.get_autocast_dtype``): torch >= 2.4
 AUTOCAST_ENABLED_TAKES_DEVICE = hasattr(torch, "get_autocast_dtype")
 
@@ -101,3 +106,30 @@ def cpu_precision_params(precisions: list[str]) -> list:
     """``precisions`` for ``pytest.mark.parametrize``, with ``"16-mixed"`` skipped where this torch cannot run it on
     CPU (32-true and bf16-mixed run on every torch)."""
     return [pytest.param(p, marks=requires_cpu_16_mixed) if p == "16-mixed" else p for p in precisions]
+
+
+_CPU_16_MIXED_REASON = requires_cpu_16_mixed.kwargs["reason"]
+
+
+def cpu_grad_scaler(**kwargs) -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler("cpu", **kwargs)`` for a test that trains 16-mixed on CPU; where this torch cannot, the
+    calling test skips with the reason. A disabled scaler (``enabled=False``) works on every torch."""
+    if kwargs.get("enabled", True) is False:
+        return GradScaler(**kwargs)
+    if not CPU_16_MIXED:
+        pytest.skip(_CPU_16_MIXED_REASON)
+    return torch.amp.GradScaler("cpu", **kwargs)
+
+
+def cuda_grad_scaler(**kwargs) -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler("cuda", **kwargs)`` on every torch (``torch.cuda.amp.GradScaler`` before 2.3); on a
+    machine without CUDA it disables itself with a warning."""
+    return torch.amp.GradScaler("cuda", **kwargs) if HAS_AMP_GRAD_SCALER else torch.cuda.amp.GradScaler(**kwargs)
+
+
+def optimizer(cls: type, params, **kwargs) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)``; with ``fused=True`` on a torch without that fused CPU optimizer, the calling test skips
+    with the reason."""
+    if kwargs.get("fused") and cls.__name__ not in CPU_FUSED:
+        pytest.skip(requires_cpu_fused(cls.__name__).kwargs["reason"])
+    return cls(params, **kwargs)

@@ -32,14 +32,10 @@ from tests_fabric.helpers.torch_features import (
     HAS_AMP_GRAD_SCALER,
     TORCH,
     GradScaler,
+    OptState,
     requires_cpu_fused,
     requires_cpu_grad_scaler,
 )
-
-if HAS_AMP_GRAD_SCALER:
-    from torch.amp.grad_scaler import OptState
-else:  # torch < 2.3
-    from torch.cuda.amp.grad_scaler import OptState
 
 #: devices a working (enabled) gradient scaler can run on with this torch
 SCALER_DEVICES = [
