@@ -20,7 +20,9 @@ What torch 2.1.2 lacks, measured (``tests_fabric/plugins/precision/test_torch_be
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -111,14 +113,16 @@ def cpu_precision_params(precisions: list[str]) -> list:
 _CPU_16_MIXED_REASON = requires_cpu_16_mixed.kwargs["reason"]
 
 
-def cpu_grad_scaler(**kwargs) -> torch.amp.GradScaler:
-    """``torch.amp.GradScaler("cpu", **kwargs)`` for a test that trains 16-mixed on CPU; where this torch cannot, the
-    calling test skips with the reason. A disabled scaler (``enabled=False``) works on every torch."""
+def cpu_grad_scaler(cls: Optional[type] = None, **kwargs) -> torch.amp.GradScaler:
+    """``cls("cpu", **kwargs)`` (``cls``: ``torch.amp.GradScaler`` or a subclass) for a test that trains 16-mixed on
+    CPU; where this torch cannot, the calling test skips with the reason. A disabled scaler (``enabled=False``) works
+    on every torch (before 2.3 ``cls`` is ``torch.cuda.amp.GradScaler`` or a subclass, which takes no device)."""
+    cls = GradScaler if cls is None else cls
     if kwargs.get("enabled", True) is False:
-        return GradScaler(**kwargs)
+        return cls("cpu", **kwargs) if HAS_AMP_GRAD_SCALER else cls(**kwargs)
     if not CPU_16_MIXED:
         pytest.skip(_CPU_16_MIXED_REASON)
-    return torch.amp.GradScaler("cpu", **kwargs)
+    return cls("cpu", **kwargs)
 
 
 def cuda_grad_scaler(**kwargs) -> torch.amp.GradScaler:
@@ -129,7 +133,10 @@ def cuda_grad_scaler(**kwargs) -> torch.amp.GradScaler:
 
 def optimizer(cls: type, params, **kwargs) -> torch.optim.Optimizer:
     """``cls(params, **kwargs)``; with ``fused=True`` on a torch without that fused CPU optimizer, the calling test skips
-    with the reason."""
+    with the reason. ``fused=False`` is dropped where ``cls`` has no ``fused`` argument (``SGD``, ``Adagrad`` in torch
+    2.1)."""
     if kwargs.get("fused") and cls.__name__ not in CPU_FUSED:
         pytest.skip(requires_cpu_fused(cls.__name__).kwargs["reason"])
+    if "fused" in kwargs and not kwargs["fused"] and "fused" not in inspect.signature(cls.__init__).parameters:
+        del kwargs["fused"]
     return cls(params, **kwargs)
