@@ -1,5 +1,8 @@
-"""The built wheel in a clean virtual environment: it installs, imports, passes ``pip check``, uninstalls cleanly;
-and checkpoints travel between the fork and the stock ``pytorch_lightning`` installed beside it.
+"""The built wheels in a clean virtual environment: the fork's ``lightning`` and ``pytorch-lightning`` install together,
+import (``import pytorch_lightning`` and ``lightning_fabric`` get the fixes too), pass ``pip check`` and uninstall
+cleanly; ``lightning`` refuses a stock ``pytorch-lightning`` beside it, and a package that depends on
+``pytorch-lightning`` does not replace the patched one; checkpoints travel between the fork and stock 2.6.6
+(``stock_pytorch_lightning``, the tests' renamed copy, installed beside it).
 
 One virtual environment for the module (``python -m venv``, then torch and the wheel with its dependencies from the
 configured index): slow (about a minute, mostly torch), but part of the default run.
@@ -95,7 +98,8 @@ def _sha(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def venv(helpers, fork_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+def venv(helpers, fork_wheel: Path, standalone_wheel: Path, stock_wheel: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Venv:
     base = tmp_path_factory.mktemp("clean-venv")
     root = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True)
@@ -107,7 +111,8 @@ def venv(helpers, fork_wheel: Path, tmp_path_factory: pytest.TempPathFactory) ->
                              capture_output=True, text=True, check=True).stdout.strip()
     env_ = Venv(root, python, Path(purelib), base / "work", env)
     env_.pip("install", "--no-compile", TORCH)  # torch is not what is under test: skip compiling its byte code
-    env_.pip("install", str(fork_wheel))
+    # both distributions of the fork in one command (lightning pins its companion), and the tests' stock copy
+    env_.pip("install", str(fork_wheel), str(standalone_wheel), str(stock_wheel))
     return env_  # pytest's tmp_path rotation removes it (deleting a gigabyte of torch here would only add time)
 
 
@@ -121,9 +126,12 @@ def test_imports_as_the_fork(venv: Venv, pin: Pin, repo_snapshot: Path) -> None:
         import importlib, importlib.metadata, json, sys
         import lightning
         from lightning.pytorch import Trainer
-        import lightning.fabric, lightning.pytorch, pytorch_lightning
-        for name in sys.argv[1:]:  # the fork's own modules
+        import lightning.fabric, lightning.pytorch, pytorch_lightning, lightning_fabric
+        import stock_pytorch_lightning, stock_lightning_fabric
+        for name in sys.argv[1:]:  # the fork's own modules, under both import names
             importlib.import_module(name)
+            importlib.import_module(name.replace("lightning.pytorch", "pytorch_lightning").replace(
+                "lightning.fabric", "lightning_fabric"))
         print(json.dumps({
             "version": lightning.__version__,
             "pytorch": lightning.pytorch.__version__,
@@ -131,7 +139,12 @@ def test_imports_as_the_fork(venv: Venv, pin: Pin, repo_snapshot: Path) -> None:
             "distribution": importlib.metadata.version("lightning"),
             "file": lightning.__file__,
             "trainer": Trainer.__module__,
-            "stock": pytorch_lightning.__version__,
+            "standalone": pytorch_lightning.__version__,
+            "standalone_fabric": lightning_fabric.__version__,
+            "standalone_distribution": importlib.metadata.version("pytorch-lightning"),
+            "standalone_file": pytorch_lightning.__file__,
+            "stock": [stock_pytorch_lightning.__version__, stock_lightning_fabric.__version__],
+            "stock_distribution": importlib.metadata.version("stock-pytorch-lightning"),
         }))
         """,
         *own,
@@ -140,7 +153,35 @@ def test_imports_as_the_fork(venv: Venv, pin: Pin, repo_snapshot: Path) -> None:
     assert result["version"] == pin.fork_version
     assert Path(result["file"]).is_relative_to(venv.site_packages)
     assert result["trainer"].startswith("lightning.pytorch.")
-    assert result["stock"] == pin.version  # the unpatched copy lightning depends on
+    assert result["standalone"] == result["standalone_fabric"] == result["standalone_distribution"] == pin.fork_version
+    assert Path(result["standalone_file"]).is_relative_to(venv.site_packages)
+    assert result["stock"] == [pin.version, pin.version]  # the tests' unpatched copy
+    assert result["stock_distribution"] == pin.version
+
+
+def test_import_pytorch_lightning_alone_gets_the_fix(venv: Venv) -> None:
+    """``import pytorch_lightning`` / ``lightning_fabric`` load the patched standalone packages, not ``lightning``: the
+    fork's recipe is there under the standalone names (the behaviour itself: tests_pytorch/test_standalone_packages)."""
+    result = venv.script(
+        """
+        import json, sys
+        import pytorch_lightning as pl
+        from lightning_fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+        from pytorch_lightning.callbacks import LossScaleMonitor
+        from pytorch_lightning.plugins.precision import MixedPrecision
+        print(json.dumps({
+            "lightning_loaded": sorted(m for m in sys.modules if m == "lightning" or m.startswith("lightning.")),
+            "mro": [c.__module__ for c in MixedPrecision.__mro__],
+            "fabric_mro": [c.__module__ for c in FabricMixedPrecision.__mro__],
+            "monitor": LossScaleMonitor.__module__,
+        }))
+        """
+    )
+    assert result["lightning_loaded"] == []
+    assert "pytorch_lightning.plugins.precision.amp_recipe" in result["mro"]
+    assert "lightning_fabric.plugins.precision.amp_recipe" in result["fabric_mro"]
+    assert not [m for m in result["mro"] + result["fabric_mro"] if m.startswith("lightning.")]
+    assert result["monitor"] == "pytorch_lightning.callbacks.loss_scale_monitor"
 
 
 def test_pip_check(venv: Venv) -> None:
@@ -148,9 +189,12 @@ def test_pip_check(venv: Venv) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_installed_files_are_the_wheels(venv: Venv, pin: Pin, fork_wheel: Path) -> None:
-    installed = venv.record(f"lightning-{pin.fork_version}.dist-info")
-    with zipfile.ZipFile(fork_wheel) as z:
+@pytest.mark.parametrize("which", ["fork_wheel", "standalone_wheel", "stock_wheel"])
+def test_installed_files_are_the_wheels(request, venv: Venv, which: str) -> None:
+    wheel = request.getfixturevalue(which)
+    project, version = wheel.name.split("-")[:2]
+    installed = venv.record(f"{project}-{version}.dist-info")
+    with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
             if info.filename.endswith(".dist-info/RECORD"):
                 continue
@@ -169,8 +213,8 @@ CHECKPOINT_SCRIPT = """
         import lightning.pytorch as pl
         from lightning.pytorch.demos.boring_classes import BoringModel
     else:
-        import pytorch_lightning as pl
-        from pytorch_lightning.demos.boring_classes import BoringModel
+        import stock_pytorch_lightning as pl
+        from stock_pytorch_lightning.demos.boring_classes import BoringModel
 
     class Restored(pl.Callback):
         # the weights and step the resumed run starts from are the checkpoint's
@@ -226,21 +270,99 @@ def test_checkpoints_travel_between_the_fork_and_stock(venv: Venv, pin: Pin) -> 
     assert not [w for w in fork_resumed["warnings"] if "newer than" in w]
 
 
-def test_uninstall_removes_exactly_what_was_installed(venv: Venv, pin: Pin, fork_wheel: Path) -> None:
-    dist_info = f"lightning-{pin.fork_version}.dist-info"
-    venv.pip("uninstall", "-y", "lightning")
+@pytest.mark.parametrize(("distribution", "which"), [("lightning", "fork_wheel"), ("pytorch-lightning", "standalone_wheel")])
+def test_uninstall_removes_exactly_what_was_installed(request, venv: Venv, pin: Pin, distribution: str,
+                                                      which: str) -> None:
+    wheel = request.getfixturevalue(which)
+    dist_info = f"{distribution.replace('-', '_')}-{pin.fork_version}.dist-info"
+    venv.pip("uninstall", "-y", distribution)
     before = venv.listing()
-    assert not (venv.site_packages / "lightning").exists()
+    assert not (venv.site_packages / dist_info).exists()
 
-    venv.pip("install", "--no-deps", str(fork_wheel))  # lightning alone: its dependencies are all there
+    venv.pip("install", "--no-deps", str(wheel))  # alone: its dependencies are all there
     installed = venv.listing()
     record = venv.record(dist_info)
     new_files = {p for p in installed - before if not p.endswith("/")}
     assert new_files == set(record), sorted(new_files ^ set(record))[:20]
 
-    venv.pip("uninstall", "-y", "lightning")
+    venv.pip("uninstall", "-y", distribution)
     after = venv.listing()
     assert not [p for p in record if (venv.root / p).exists()], "files of the RECORD survived the uninstall"
     assert after == before, {"left": sorted(after - before)[:20], "removed": sorted(before - after)[:20]}
 
-    venv.pip("install", "--no-deps", str(fork_wheel))  # leave the environment as the other tests found it
+    venv.pip("install", "--no-deps", str(wheel))  # leave the environment as the other tests found it
+
+
+# --- the two distributions stay together ------------------------------------------------------------------------------
+
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A minimal wheel of an empty distribution that requires ``requires``."""
+    project = name.replace("-", "_")
+    dist_info = f"{project}-{version}.dist-info"
+    files = {
+        f"{dist_info}/METADATA": "".join(
+            [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"] + [f"Requires-Dist: {r}\n" for r in requires]
+        ).encode(),
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [f"{k},{_sha(v)},{len(v)}" for k, v in files.items()] + [f"{dist_info}/RECORD,,"]
+    files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    path = folder / f"{project}-{version}-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return path
+
+
+def _installed_version(venv: Venv, distribution: str) -> str:
+    code = f"import importlib.metadata as m; print(m.version({distribution!r}))"
+    return venv.run("-c", code).stdout.strip()
+
+
+@pytest.mark.parametrize("installer", ["pip", "uv"])
+def test_a_package_that_depends_on_pytorch_lightning_keeps_the_patched_one(
+    venv: Venv, pin: Pin, standalone_upstream_wheel: Path, installer: str
+) -> None:
+    """A third-party package requiring ``pytorch-lightning`` (any version, or ``==2.6.6``, which PEP 440 lets the
+    local version ``2.6.6+amp.1`` satisfy), from an index that also offers the stock 2.6.6 wheel: the patched one
+    stays, byte for byte."""
+    index = venv.workdir / f"index-{installer}"
+    _wheel(index, "needs-any-pl", "1.0", ["pytorch-lightning>=2.0"])
+    _wheel(index, "needs-pl-266", "1.0", ["pytorch-lightning==2.6.6"])
+    (index / standalone_upstream_wheel.name).write_bytes(standalone_upstream_wheel.read_bytes())
+    record_before = venv.record(f"pytorch_lightning-{pin.fork_version}.dist-info")
+    if installer == "pip":
+        done = venv.pip("install", "--no-index", "--find-links", str(index), "needs-any-pl", "needs-pl-266")
+    else:
+        uv = Path(sys.executable).with_name("uv")
+        if not uv.is_file():
+            pytest.skip("uv is not installed (requirements/test.txt installs it)")
+        done = subprocess.run([str(uv), "pip", "install", "--python", str(venv.python), "--no-index", "--find-links",
+                               str(index), "needs-any-pl", "needs-pl-266"], env=venv.env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    try:
+        assert _installed_version(venv, "pytorch-lightning") == pin.fork_version
+        assert venv.record(f"pytorch_lightning-{pin.fork_version}.dist-info") == record_before
+        venv.pip("check")
+    finally:
+        venv.pip("uninstall", "-y", "needs-any-pl", "needs-pl-266")
+
+
+def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(venv: Venv, pin: Pin, standalone_upstream_wheel: Path,
+                                                               standalone_wheel: Path) -> None:
+    """Replacing the patched pytorch-lightning by stock 2.6.6 (asking for that very file: for a requirement by name pip
+    and uv keep the installed ``2.6.6+amp.1``, which every 2.6.6 requirement accepts) is reported at once, and by
+    ``pip check``."""
+    try:
+        done = venv.pip("install", str(standalone_upstream_wheel))
+        said = done.stdout + done.stderr
+        expected = f"pytorch-lightning=={pin.fork_version}, but you have pytorch-lightning {pin.version}"
+        assert f"lightning {pin.fork_version} requires {expected}" in said, said
+        check = venv.pip("check", check=False)
+        assert check.returncode != 0 and f"lightning {pin.fork_version} has requirement {expected}" in check.stdout
+    finally:
+        venv.pip("install", "--no-deps", "--force-reinstall", str(standalone_wheel))
+    venv.pip("check")
