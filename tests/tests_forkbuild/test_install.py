@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from forkbuild import upstream
 from forkbuild.pin import Pin
 
 pytestmark = pytest.mark.slow
@@ -365,4 +367,79 @@ def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(venv: Venv, pin: 
         assert check.returncode != 0 and f"lightning {pin.fork_version} has requirement {expected}" in check.stdout
     finally:
         venv.pip("install", "--no-deps", "--force-reinstall", str(standalone_wheel))
+    venv.pip("check")
+
+
+# --- the README's install command, from a git URL ---------------------------------------------------------------------
+
+
+def _git_repo(helpers, dest: Path) -> str:
+    """A committed copy of the build inputs, as a git URL."""
+    repo = helpers.copy_build_inputs(dest)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    return f"git+{repo.as_uri()}"
+
+
+def _offline(helpers, venv: Venv, upstream_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """The venv's environment without any index (everything but the fork is installed already), the upstream wheels
+    from a folder."""
+    env = dict(venv.env)
+    env.update(helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir), "UV_CACHE_DIR": str(tmp_path / "uv")}))
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def _uv_or_skip() -> str:
+    uv = Path(sys.executable).with_name("uv")
+    if not uv.is_file():
+        pytest.skip("uv is not installed (requirements/test.txt installs it)")
+    return str(uv)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.parametrize("installer", ["pip", "uv"])
+def test_the_documented_command_installs_both_from_git(helpers, venv: Venv, pin: Pin, upstream_dir: Path,
+                                                       fork_wheel: Path, standalone_wheel: Path, tmp_path: Path,
+                                                       installer: str) -> None:
+    """``pip install "git+URL" "git+URL#subdirectory=packaging/pytorch-lightning"`` (and the same with ``uv pip``):
+    both patched distributions, from one command."""
+    url = _git_repo(helpers, tmp_path / "repo")
+    env = _offline(helpers, venv, upstream_dir, tmp_path)
+    requirements = [url, f"{url}#subdirectory={helpers.STANDALONE_RECIPE.as_posix()}"]
+    venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
+    try:
+        if installer == "pip":
+            command = [str(venv.python), "-I", "-m", "pip", "install", *requirements]
+        else:
+            command = [_uv_or_skip(), "pip", "install", "--offline", "--python", str(venv.python), *requirements]
+        done = subprocess.run(command, cwd=venv.workdir, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert _installed_version(venv, "lightning") == _installed_version(venv, "pytorch-lightning") == pin.fork_version
+        venv.pip("check")
+    finally:
+        venv.pip("install", "--no-deps", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_lightning_alone_beside_a_stock_pytorch_lightning_is_refused(
+    helpers, venv: Venv, pin: Pin, upstream_dir: Path, standalone_upstream_wheel: Path, fork_wheel: Path,
+    standalone_wheel: Path, tmp_path: Path
+) -> None:
+    """The fork's lightning without its companion, where stock pytorch-lightning 2.6.6 is installed: pip refuses,
+    naming the patched companion it needs."""
+    url = _git_repo(helpers, tmp_path / "repo")
+    env = _offline(helpers, venv, upstream_dir, tmp_path)
+    venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
+    venv.pip("install", "--no-deps", str(standalone_upstream_wheel))
+    try:
+        done = subprocess.run([str(venv.python), "-I", "-m", "pip", "install", url], cwd=venv.workdir, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0
+        assert f"pytorch-lightning=={pin.fork_version}" in done.stdout + done.stderr, done.stdout + done.stderr
+        assert _installed_version(venv, "pytorch-lightning") == pin.version  # nothing replaced, nothing half-done
+        assert venv.run("-c", "import importlib.util as u; print(u.find_spec('lightning'))").stdout.strip() == "None"
+    finally:
+        venv.pip("install", "--no-deps", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
     venv.pip("check")
