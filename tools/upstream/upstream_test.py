@@ -5,8 +5,8 @@
 
 1. Two virtual environments (default ``tools/upstream/.venvs/``, ignored by git), both with ``torch==2.13.0`` (CPU)
    and the test requirements of ``tools/upstream/requirements-test.txt``: ``stock`` with ``lightning==2.6.6`` from
-   the package index, ``fork`` with this repository built and installed (``pip install <repo>``, reinstalled on
-   every run so the run tests the checkout as it is).
+   the package index, ``fork`` with this repository's two distributions built and installed (``pip install <repo>
+   <repo>/packaging/pytorch-lightning``, reinstalled on every run so the run tests the checkout as it is).
 2. Upstream's ``tests/`` (and its ``pyproject.toml``, which holds the pytest configuration) at ``--ref`` are
    exported with ``git archive`` into two trees under ``--workdir`` (default ``tools/upstream/results/``): upstream's
    ``src/`` is never there, so the venv's installed ``lightning`` is what is tested (checked before running).
@@ -106,10 +106,12 @@ def setup_venvs(venvs: Path, repo: Path, which: list[str]) -> dict[str, Path]:
     if "stock" in which:
         pythons["stock"] = ensure_venv(venvs / "stock", STOCK, " ".join(STOCK))
     if "fork" in which:
-        python = ensure_venv(venvs / "fork", ["pytorch-lightning==2.6.6", str(repo)], "fork")
+        # both distributions of the fork: lightning pins its companion, the patched pytorch-lightning
+        fork = [str(repo), str(repo / "packaging" / "pytorch-lightning")]
+        python = ensure_venv(venvs / "fork", fork, "fork v2")
         log(f"reinstalling the fork from {repo}")
         run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--force-reinstall",
-             "--no-deps", str(repo)])
+             "--no-deps", *fork])
         pythons["fork"] = python
     return pythons
 
