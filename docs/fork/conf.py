@@ -47,7 +47,7 @@ def _require_the_fork(app) -> None:
     if not hasattr(LightningOptimizer, "step_was_skipped"):
         raise RuntimeError(
             f"The doctest build needs the fork's `lightning`, but Python imports stock Lightning"
-            f" {lightning.__version__} from {lightning.__file__}. Install the fork (`pip install .`) or run"
+            f" {lightning.__version__} from {lightning.__file__}. Install the fork (`make install`) or run"
             " `make tree` and set PYTHONPATH=.tree/src."
         )
 
