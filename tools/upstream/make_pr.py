@@ -144,7 +144,8 @@ def lay_own_files(checkout: Path, repo: Path, env: dict[str, str]) -> tuple[str 
 
 
 def read_unreleased(changelog: Path, bugs: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
-    """Our "Unreleased" section: subsection -> entries, each one line, without our patch numbers.
+    """Our "Unreleased" section: subsection -> entries, each one line, without our patch numbers. A subsection whose
+    title starts with "Fork" (the fork's own packaging) is not upstream's business and is left out.
 
     ``bugs`` maps a patch number ("0001") to the upstream issues of its header's ``Bug:`` field: an entry that links
     no issue itself gets those links in place of its patch number.
@@ -159,7 +160,7 @@ def read_unreleased(changelog: Path, bugs: dict[str, list[str]] | None = None) -
 
     def close() -> None:
         nonlocal entry
-        if entry is not None and current is not None:
+        if entry is not None and current is not None and not current.lower().startswith("fork"):
             text = with_issue_links(" ".join(part.strip() for part in entry), bugs or {})
             if text.strip("- "):
                 sections.setdefault(current, []).append(text)
