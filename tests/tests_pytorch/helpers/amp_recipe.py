@@ -31,6 +31,7 @@ Design choices that make bugs unable to hide:
 import contextlib
 import copy
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -292,6 +293,12 @@ class RecipeRun:
         self.scales: list[float] = []
         self.changed: list[bool] = []
         self.records: list[Any] = []
+        #: the batches :meth:`batches` yields: ``range(start, stop)`` (a resumed run starts later, a short one stops
+        #: earlier)
+        self.start, self.stop = 0, N_BATCHES
+
+    def save_point(self, batch_idx: int, optimizers: list) -> None:
+        """Where a recipe would save a checkpoint mid-iteration (between two optimizers' steps); nothing by default."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -307,7 +314,9 @@ class RecipeRun:
     def batches(self):
         """Yield ``(batch_idx, (x, y))``, recording the scale and whether the parameters changed after each batch."""
         params = trainable(self.net)
-        for batch_idx, batch in enumerate(make_batches()):
+        batches = make_batches()
+        for batch_idx in range(self.start, self.stop):
+            batch = batches[batch_idx]
             before = _snapshot(params)
             yield batch_idx, batch
             self.changed.append(_changed(before, params))
@@ -327,20 +336,37 @@ class RecipeRun:
 # the Lightning side
 # --------------------------------------------------------------------------------------------------------------------
 
-PACKAGES = ("lightning", "pytorch_lightning")
+#: the fork under test
+FORK = "lightning"
+#: the unpatched Lightning 2.6.6, the negative control: the import name of its ``lightning.pytorch`` counterpart. Every
+#: test of this package reaches stock through this constant, so a rename of the stock package is a one-line change.
+STOCK = "pytorch_lightning"
+PACKAGES = (FORK, STOCK)
+
+
+def _pytorch_package(package: str) -> str:
+    if package == FORK:
+        return "lightning.pytorch"
+    if package == STOCK:
+        return STOCK
+    raise ValueError(package)
+
+
+def stock_is_unpatched() -> bool:
+    """Whether the negative control is there: the unpatched 2.6.6 under :data:`STOCK`."""
+    try:
+        stock = importlib.import_module(STOCK)
+    except ImportError:
+        return False
+    return stock.__version__ == "2.6.6"
 
 
 @functools.lru_cache(maxsize=None)
 def lightning_api(package: str) -> SimpleNamespace:
-    """The Lightning classes from ``package``: the fork (``lightning``) or the unpatched copy (``pytorch_lightning``)."""
-    if package == "lightning":
-        import lightning.pytorch as pl
-        from lightning.pytorch.plugins.precision import MixedPrecision
-    elif package == "pytorch_lightning":
-        import pytorch_lightning as pl
-        from pytorch_lightning.plugins.precision import MixedPrecision
-    else:
-        raise ValueError(package)
+    """The Lightning classes from ``package``: the fork (:data:`FORK`) or the unpatched copy (:data:`STOCK`)."""
+    name = _pytorch_package(package)
+    pl = importlib.import_module(name)
+    MixedPrecision = importlib.import_module(f"{name}.plugins.precision").MixedPrecision
 
     class RecipeModule(pl.LightningModule):
         """Holds ``net``; ``configure(net)`` builds the optimizers, ``step(module, batch, batch_idx)`` is the
@@ -454,3 +480,273 @@ def fresh_autocast_forward(net: nn.Sequential, x: torch.Tensor, dtype: Optional[
 
 def clone_net(net: nn.Module) -> nn.Module:
     return copy.deepcopy(net)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# cases shared by the test modules: optimizers, recipe loops and the matching ``training_step`` bodies
+# --------------------------------------------------------------------------------------------------------------------
+# A recipe is ``(RecipeRun, optimizers) -> None``; a ``training_step`` body is ``(module, batch, batch_idx)``, where the
+# module has ``net``, ``inf_at``, ``late_inf_at`` and ``records`` (as ``RecipeModule`` has).
+
+
+def one_optimizer(net: nn.Module, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, trainable(net))]
+
+
+def two_optimizers(net: nn.Sequential, name: str) -> list[torch.optim.Optimizer]:
+    # first layer and last layer, fed by one loss and one backward
+    return [make_optimizer(name, net[0].parameters()), make_optimizer(name, net[2].parameters())]
+
+
+def gan_optimizers(net: GAN, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, net.disc.parameters()), make_optimizer(name, net.gen.parameters())]
+
+
+def clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) -> None:
+    """Clip like ``clip_gradients`` does: over the optimizer's parameters in ``param_groups`` order; remember the
+    pre-clip size so that the cell can prove that clipping really happened."""
+    params = optimizer_params(opt)
+    if algorithm == "norm":
+        rc.records.append(("norm", torch.nn.utils.clip_grad_norm_(params, CLIP_NORM).item()))
+    else:
+        rc.records.append(("value", max(p.grad.abs().max().item() for p in params)))
+        torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
+
+
+def recipe_plain(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def recipe_clip(algorithm: str) -> Callable:
+    def recipe(rc: RecipeRun, opts: list) -> None:
+        (opt,) = opts
+        for i, (x, y) in rc.batches():
+            opt.zero_grad()
+            with rc.autocast():
+                loss = rc.inject(mlp_loss(rc.net, x, y), i)
+            rc.scaler.scale(loss).backward()
+            rc.scaler.unscale_(opt)
+            clip_reference(rc, opt, algorithm)
+            rc.scaler.step(opt)
+            rc.scaler.update()
+
+    return recipe
+
+
+def recipe_accumulate(rc: RecipeRun, opts: list) -> None:
+    # a step every 2nd batch on the sum of two halved losses; no update() in batches without a step
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        if i % 2 == 0:
+            opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i) / 2
+        rc.scaler.scale(loss).backward()
+        if i % 2 == 1:
+            rc.scaler.step(opt)
+            rc.scaler.update()
+
+
+def recipe_two_optimizers(rc: RecipeRun, opts: list) -> None:
+    # one backward feeds both optimizers: both are unscaled with the scale that scaled the loss, one update at the end
+    opt_a, opt_b = opts
+    for i, (x, y) in rc.batches():
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt_a)
+        rc.save_point(i, opts)
+        rc.scaler.step(opt_b)
+        rc.scaler.update()
+
+
+def chunks(x: torch.Tensor, y: torch.Tensor, n: int):
+    size = len(x) // n
+    return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n)]
+
+
+def recipe_multi_step(rc: RecipeRun, opts: list, inner_steps: int = 2) -> None:
+    """``inner_steps`` steps of one optimizer per batch (on chunks of the batch), one scale update per batch.
+
+    The contract is: all inner steps use the same scale, and one update at the end of the batch backs the scale off if
+    any step found an inf. ``GradScaler``'s public API cannot express this (it refuses a second ``step()`` of an
+    optimizer before ``update()``), so this reference is written with the primitives ``GradScaler`` itself is made of:
+    multiply the loss by the scale (``scale``), ``torch._amp_foreach_non_finite_check_and_unscale_`` (``unscale_``),
+    no ``optimizer.step()`` when it found an inf (``step``), ``torch._amp_update_scale_`` with the summed found-inf
+    flags (``update``), with ``GradScaler``'s defaults (growth 2, back-off 0.5) and ``growth_interval=1``.
+    ``test_multi_step_reference_is_gradscaler_for_one_step`` checks it against ``GradScaler`` for one inner step.
+    Under 16-mixed an inf goes into the first inner step of one batch and into the second of another: either must
+    back the scale off.
+
+    """
+    (opt,) = opts
+    if not rc.scaler.is_enabled():  # no scaler, no inf
+        for i, (x, y) in rc.batches():
+            for xk, yk in chunks(x, y, inner_steps):
+                opt.zero_grad()
+                with rc.autocast():
+                    loss = mlp_loss(rc.net, xk, yk)
+                loss.backward()
+                opt.step()
+        return
+
+    scale = torch.full((), INIT_SCALE, dtype=torch.float32)
+    growth_tracker = torch.zeros((), dtype=torch.int32)
+    rc.get_scale = lambda: scale.item()
+    for i, (x, y) in rc.batches():
+        found_inf_sum = torch.zeros(())
+        for k, (xk, yk) in enumerate(chunks(x, y, inner_steps)):
+            opt.zero_grad()
+            with rc.autocast():
+                loss = mlp_loss(rc.net, xk, yk)
+                loss = rc.inject(loss, i) if k == 0 else rc.inject_late(loss, i)
+            (loss * scale).backward()
+            found_inf = torch.zeros(())
+            grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
+            # GradScaler.unscale_ computes the inverse scale in double precision
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.double().reciprocal().float())
+            if found_inf.item() == 0:
+                opt.step()
+            found_inf_sum += found_inf
+        torch._amp_update_scale_(scale, growth_tracker, found_inf_sum, 2.0, 0.5, 1)
+
+
+def recipe_gan(rc: RecipeRun, opts: list) -> None:
+    # D step, then G's loss through the updated D, G step, one update: both losses scaled with the same scale.
+    # Under 16-mixed an inf goes into D's loss of one batch and into G's loss of another: either backs the scale off.
+    opt_d, opt_g = opts
+    net = rc.net
+    for i, (real, noise) in rc.batches():
+        opt_d.zero_grad()
+        with rc.autocast():
+            fake = net.gen(noise)
+            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+            loss_d = rc.inject(loss_d, i)
+        rc.scaler.scale(loss_d).backward()
+        rc.scaler.step(opt_d)
+        rc.save_point(i, opts)
+        opt_d.zero_grad()
+        with rc.autocast():
+            loss_g = rc.inject_late(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)
+        opt_g.zero_grad()
+        rc.scaler.scale(loss_g).backward()
+        rc.scaler.step(opt_g)
+        rc.scaler.update()
+
+
+def manual_plain(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    opt.step()
+
+
+def manual_clip(algorithm: str) -> Callable:
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+        self.manual_backward(loss)
+        clip_val = CLIP_NORM if algorithm == "norm" else CLIP_VALUE
+        self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        opt.step()
+
+    return training_step
+
+
+def manual_accumulate(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    if batch_idx % 2 == 0:
+        opt.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at) / 2
+    self.manual_backward(loss)
+    if batch_idx % 2 == 1:
+        opt.step()
+
+
+def manual_two_optimizers(self, batch, batch_idx):
+    opt_a, opt_b = self.optimizers()
+    x, y = batch
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    self.manual_backward(loss)
+    opt_a.step()
+    opt_b.step()
+
+
+def manual_multi_step(self, batch, batch_idx):
+    opt = self.optimizers()
+    for k, (xk, yk) in enumerate(chunks(*batch, 2)):
+        opt.zero_grad()
+        loss = mlp_loss(self.net, xk, yk)
+        loss = inject_inf(loss, batch_idx, self.inf_at if k == 0 else self.late_inf_at)
+        self.manual_backward(loss)
+        opt.step()
+
+
+def manual_gan_step(between: Optional[Callable] = None, plain_g_backward: bool = False) -> Callable:
+    """The GAN's ``training_step``: D step, then G's loss through the updated D, G step. ``between(module, batch_idx)``
+    runs between D's step and G's backward (a checkpoint save, say); ``plain_g_backward``: the misuse of calling
+    ``loss_g.backward()`` instead of ``self.manual_backward(loss_g)`` (the module is marked just before it)."""
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        real, noise = batch
+        net = self.net
+        fake = net.gen(noise)
+        loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+        loss_d = inject_inf(loss_d, batch_idx, self.inf_at)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        opt_d.zero_grad()
+        if between is not None:
+            between(self, batch_idx)
+        loss_g = F.mse_loss(net.disc(fake), torch.ones(4, 1))  # through the updated discriminator
+        loss_g = inject_inf(loss_g, batch_idx, self.late_inf_at)
+        opt_g.zero_grad()
+        if plain_g_backward:
+            self.mark()
+            loss_g.backward()
+        else:
+            self.manual_backward(loss_g)
+        opt_g.step()
+
+    return training_step
+
+
+manual_gan = manual_gan_step()
+
+
+def manual_closure(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+
+    def closure():
+        out = self.net(x)
+        self.records.append(out.dtype)  # the closure's forward must run under autocast
+        loss = inject_inf(F.mse_loss(out, y), batch_idx, self.inf_at)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        return loss
+
+    opt.step(closure=closure)
+
+
+def auto_plain(self, batch, batch_idx):
+    x, y = batch
+    return inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)

@@ -28,7 +28,8 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.plugins.precision.amp_recipe import _AMPRecipePrecision
+
 
 
 class LossScaleMonitor(Callback):
@@ -39,8 +40,9 @@ class LossScaleMonitor(Callback):
     iterations it doubles it again. A few skipped steps at the start of training are normal; a scale that keeps falling,
     or skipped steps that keep coming, point at a model or a learning rate that produces non-finite values.
 
-    Logged every ``log_every_n_steps`` training batches (default: the Trainer's ``log_every_n_steps``), after the
-    batch's scaler update:
+    Logged every ``log_every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``; under gradient
+    accumulation once per step, not per micro-batch), after the batch's scaler update, with ``MixedPrecision`` and
+    ``FSDPPrecision`` alike:
 
     - ``loss_scale``: the scale the next iteration will use;
     - ``skipped_steps``: optimizer steps skipped since the start of training (kept across a resume from checkpoint).
@@ -48,7 +50,7 @@ class LossScaleMonitor(Callback):
     Reading the scaler synchronises with the device, so it happens only on logging batches.
 
     Args:
-        log_every_n_steps: How often to log, in training batches. ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        log_every_n_steps: How often to log, in optimizer steps. ``None`` follows ``Trainer(log_every_n_steps=...)``.
 
     Raises:
         MisconfigurationException:
@@ -72,7 +74,7 @@ class LossScaleMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.history: dict[str, list[float]] = {"loss_scale": [], "skipped_steps": []}
         self._skipped_before_resume = 0
-        self._plugin: Optional["MixedPrecision"] = None
+        self._plugin: Optional["_AMPRecipePrecision"] = None
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -94,9 +96,12 @@ class LossScaleMonitor(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop._should_accumulate():
+            return  # under gradient accumulation, once per optimizer step: the scaler updates only then
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        # the loop's own batch counter, restored on resume, keeps the cadence of an uninterrupted run
-        if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every != 0:
+        # the loop's own counter of stepping batches, restored on resume, keeps the cadence of an uninterrupted run
+        if (epoch_loop._batches_that_stepped + 1) % every != 0:
             return
         stats = self._stats(trainer)
         for key, value in stats.items():
@@ -127,8 +132,11 @@ class LossScaleMonitor(Callback):
         self._plugin = _scaling_plugin(trainer)
 
 
-def _scaling_plugin(trainer: "pl.Trainer") -> Optional["MixedPrecision"]:
+def _scaling_plugin(trainer: "pl.Trainer") -> Optional["_AMPRecipePrecision"]:
+    """The precision plugin if it drives a gradient scaler through the recipe (``MixedPrecision``, ``FSDPPrecision``)."""
+    from lightning.pytorch.plugins.precision.amp_recipe import _AMPRecipePrecision  # the plugins import the callbacks
+
     plugin = trainer.precision_plugin
-    if isinstance(plugin, pl.plugins.precision.MixedPrecision) and plugin.scaler is not None:
+    if isinstance(plugin, _AMPRecipePrecision) and plugin.scaler is not None:
         return plugin
     return None

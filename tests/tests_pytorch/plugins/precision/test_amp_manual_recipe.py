@@ -33,12 +33,14 @@ from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     CLIP_NORM,
     CLIP_VALUE,
+    FORK,
     GAN,
     INIT_SCALE,
     MIXED_PRECISIONS,
     N_BATCHES,
     OPTIMIZERS,
     PRECISIONS,
+    STOCK,
     NestedAutocastNet,
     RecipeRun,
     RunResult,
@@ -46,21 +48,36 @@ from tests_pytorch.helpers.amp_recipe import (
     assert_recipe_is_sharp,
     assert_same_run,
     autocast_dtype,
+    auto_plain,
+    clip_reference,
     fit_lightning,
     fresh_autocast_forward,
+    gan_optimizers,
     inject_inf,
     lightning_api,
     make_batches,
     make_optimizer,
+    manual_accumulate,
+    manual_clip,
+    manual_closure,
+    manual_gan,
+    manual_multi_step,
+    manual_plain,
+    manual_two_optimizers,
     mlp,
     mlp_loss,
     new_scaler,
+    one_optimizer,
     optimizer_params,
-    trainable,
+    recipe_accumulate,
+    recipe_clip,
+    recipe_gan,
+    recipe_multi_step,
+    recipe_plain,
+    recipe_two_optimizers,
+    stock_is_unpatched,
+    two_optimizers,
 )
-
-FORK = "lightning"
-STOCK = "pytorch_lightning"
 
 # --------------------------------------------------------------------------------------------------------------------
 # networks and optimizers per case
@@ -71,34 +88,10 @@ def _mlp(precision: str) -> nn.Module:
     return mlp()
 
 
-def _one_optimizer(net: nn.Module, name: str) -> list[torch.optim.Optimizer]:
-    return [make_optimizer(name, trainable(net))]
-
-
-def _two_optimizers(net: nn.Sequential, name: str) -> list[torch.optim.Optimizer]:
-    # first layer and last layer, fed by one loss and one backward
-    return [make_optimizer(name, net[0].parameters()), make_optimizer(name, net[2].parameters())]
-
-
-def _gan_optimizers(net: GAN, name: str) -> list[torch.optim.Optimizer]:
-    return [make_optimizer(name, net.disc.parameters()), make_optimizer(name, net.gen.parameters())]
-
-
 def _nested_net(precision: str) -> nn.Module:
     outer = autocast_dtype(precision)
     other = torch.float16 if outer == torch.bfloat16 else torch.bfloat16
     return NestedAutocastNet(outer, other)
-
-
-def _clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) -> None:
-    """Clip like ``clip_gradients`` does: over the optimizer's parameters in ``param_groups`` order; remember the
-    pre-clip size so that the cell can prove that clipping really happened."""
-    params = optimizer_params(opt)
-    if algorithm == "norm":
-        rc.records.append(("norm", torch.nn.utils.clip_grad_norm_(params, CLIP_NORM).item()))
-    else:
-        rc.records.append(("value", max(p.grad.abs().max().item() for p in params)))
-        torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
 
 
 def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
@@ -113,33 +106,6 @@ def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def recipe_plain(rc: RecipeRun, opts: list) -> None:
-    (opt,) = opts
-    for i, (x, y) in rc.batches():
-        opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        rc.scaler.step(opt)
-        rc.scaler.update()
-
-
-def recipe_clip(algorithm: str) -> Callable:
-    def recipe(rc: RecipeRun, opts: list) -> None:
-        (opt,) = opts
-        for i, (x, y) in rc.batches():
-            opt.zero_grad()
-            with rc.autocast():
-                loss = rc.inject(mlp_loss(rc.net, x, y), i)
-            rc.scaler.scale(loss).backward()
-            rc.scaler.unscale_(opt)
-            _clip_reference(rc, opt, algorithm)
-            rc.scaler.step(opt)
-            rc.scaler.update()
-
-    return recipe
-
-
 def recipe_clip_value_then_norm(rc: RecipeRun, opts: list) -> None:
     # unscale once, then both clips
     (opt,) = opts
@@ -149,110 +115,9 @@ def recipe_clip_value_then_norm(rc: RecipeRun, opts: list) -> None:
             loss = rc.inject(mlp_loss(rc.net, x, y), i)
         rc.scaler.scale(loss).backward()
         rc.scaler.unscale_(opt)
-        _clip_reference(rc, opt, "value")
-        _clip_reference(rc, opt, "norm")
+        clip_reference(rc, opt, "value")
+        clip_reference(rc, opt, "norm")
         rc.scaler.step(opt)
-        rc.scaler.update()
-
-
-def recipe_accumulate(rc: RecipeRun, opts: list) -> None:
-    # a step every 2nd batch on the sum of two halved losses; no update() in batches without a step
-    (opt,) = opts
-    for i, (x, y) in rc.batches():
-        if i % 2 == 0:
-            opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i) / 2
-        rc.scaler.scale(loss).backward()
-        if i % 2 == 1:
-            rc.scaler.step(opt)
-            rc.scaler.update()
-
-
-def recipe_two_optimizers(rc: RecipeRun, opts: list) -> None:
-    # one backward feeds both optimizers: both are unscaled with the scale that scaled the loss, one update at the end
-    opt_a, opt_b = opts
-    for i, (x, y) in rc.batches():
-        opt_a.zero_grad()
-        opt_b.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        rc.scaler.step(opt_a)
-        rc.scaler.step(opt_b)
-        rc.scaler.update()
-
-
-def _chunks(x: torch.Tensor, y: torch.Tensor, n: int):
-    size = len(x) // n
-    return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n)]
-
-
-def recipe_multi_step(rc: RecipeRun, opts: list, inner_steps: int = 2) -> None:
-    """``inner_steps`` steps of one optimizer per batch (on chunks of the batch), one scale update per batch.
-
-    The contract is: all inner steps use the same scale, and one update at the end of the batch backs the scale off if
-    any step found an inf. ``GradScaler``'s public API cannot express this (it refuses a second ``step()`` of an
-    optimizer before ``update()``), so this reference is written with the primitives ``GradScaler`` itself is made of:
-    multiply the loss by the scale (``scale``), ``torch._amp_foreach_non_finite_check_and_unscale_`` (``unscale_``),
-    no ``optimizer.step()`` when it found an inf (``step``), ``torch._amp_update_scale_`` with the summed found-inf
-    flags (``update``), with ``GradScaler``'s defaults (growth 2, back-off 0.5) and ``growth_interval=1``.
-    ``test_multi_step_reference_is_gradscaler_for_one_step`` checks it against ``GradScaler`` for one inner step.
-    Under 16-mixed an inf goes into the first inner step of one batch and into the second of another: either must
-    back the scale off.
-
-    """
-    (opt,) = opts
-    if not rc.scaler.is_enabled():  # no scaler, no inf
-        for i, (x, y) in rc.batches():
-            for xk, yk in _chunks(x, y, inner_steps):
-                opt.zero_grad()
-                with rc.autocast():
-                    loss = mlp_loss(rc.net, xk, yk)
-                loss.backward()
-                opt.step()
-        return
-
-    scale = torch.full((), INIT_SCALE, dtype=torch.float32)
-    growth_tracker = torch.zeros((), dtype=torch.int32)
-    rc.get_scale = lambda: scale.item()
-    for i, (x, y) in rc.batches():
-        found_inf_sum = torch.zeros(())
-        for k, (xk, yk) in enumerate(_chunks(x, y, inner_steps)):
-            opt.zero_grad()
-            with rc.autocast():
-                loss = mlp_loss(rc.net, xk, yk)
-                loss = rc.inject(loss, i) if k == 0 else rc.inject_late(loss, i)
-            (loss * scale).backward()
-            found_inf = torch.zeros(())
-            grads = [p.grad for p in optimizer_params(opt) if p.grad is not None]
-            # GradScaler.unscale_ computes the inverse scale in double precision
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.double().reciprocal().float())
-            if found_inf.item() == 0:
-                opt.step()
-            found_inf_sum += found_inf
-        torch._amp_update_scale_(scale, growth_tracker, found_inf_sum, 2.0, 0.5, 1)
-
-
-def recipe_gan(rc: RecipeRun, opts: list) -> None:
-    # D step, then G's loss through the updated D, G step, one update: both losses scaled with the same scale.
-    # Under 16-mixed an inf goes into D's loss of one batch and into G's loss of another: either backs the scale off.
-    opt_d, opt_g = opts
-    net = rc.net
-    for i, (real, noise) in rc.batches():
-        opt_d.zero_grad()
-        with rc.autocast():
-            fake = net.gen(noise)
-            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
-            loss_d = rc.inject(loss_d, i)
-        rc.scaler.scale(loss_d).backward()
-        rc.scaler.step(opt_d)
-        opt_d.zero_grad()
-        with rc.autocast():
-            loss_g = rc.inject_late(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)
-        opt_g.zero_grad()
-        rc.scaler.scale(loss_g).backward()
-        rc.scaler.step(opt_g)
         rc.scaler.update()
 
 
@@ -283,29 +148,6 @@ def recipe_teacher(rc: RecipeRun, opts: list) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def manual_plain(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-    opt.zero_grad()
-    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
-    self.manual_backward(loss)
-    opt.step()
-
-
-def manual_clip(algorithm: str) -> Callable:
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        x, y = batch
-        opt.zero_grad()
-        loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
-        self.manual_backward(loss)
-        clip_val = CLIP_NORM if algorithm == "norm" else CLIP_VALUE
-        self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
-        opt.step()
-
-    return training_step
-
-
 def manual_clip_value_then_norm(self, batch, batch_idx):
     # two clip_gradients calls in one step: unscaling must happen once
     opt = self.optimizers()
@@ -318,56 +160,6 @@ def manual_clip_value_then_norm(self, batch, batch_idx):
     opt.step()
 
 
-def manual_accumulate(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-    if batch_idx % 2 == 0:
-        opt.zero_grad()
-    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at) / 2
-    self.manual_backward(loss)
-    if batch_idx % 2 == 1:
-        opt.step()
-
-
-def manual_two_optimizers(self, batch, batch_idx):
-    opt_a, opt_b = self.optimizers()
-    x, y = batch
-    opt_a.zero_grad()
-    opt_b.zero_grad()
-    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
-    self.manual_backward(loss)
-    opt_a.step()
-    opt_b.step()
-
-
-def manual_multi_step(self, batch, batch_idx):
-    opt = self.optimizers()
-    for k, (xk, yk) in enumerate(_chunks(*batch, 2)):
-        opt.zero_grad()
-        loss = mlp_loss(self.net, xk, yk)
-        loss = inject_inf(loss, batch_idx, self.inf_at if k == 0 else self.late_inf_at)
-        self.manual_backward(loss)
-        opt.step()
-
-
-def manual_gan(self, batch, batch_idx):
-    opt_d, opt_g = self.optimizers()
-    real, noise = batch
-    net = self.net
-    fake = net.gen(noise)
-    loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
-    loss_d = inject_inf(loss_d, batch_idx, self.inf_at)
-    opt_d.zero_grad()
-    self.manual_backward(loss_d)
-    opt_d.step()
-    opt_d.zero_grad()
-    loss_g = F.mse_loss(net.disc(fake), torch.ones(4, 1))  # through the updated discriminator
-    loss_g = inject_inf(loss_g, batch_idx, self.late_inf_at)
-    opt_g.zero_grad()
-    self.manual_backward(loss_g)
-    opt_g.step()
-
-
 def manual_teacher(self, batch, batch_idx):
     opt = self.optimizers()
     x, y = batch
@@ -376,21 +168,6 @@ def manual_teacher(self, batch, batch_idx):
     self.manual_backward(loss)
     opt.step()
     self.net.update_teacher()
-
-
-def manual_closure(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-
-    def closure():
-        out = self.net(x)
-        self.records.append(out.dtype)  # the closure's forward must run under autocast
-        loss = inject_inf(F.mse_loss(out, y), batch_idx, self.inf_at)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        return loss
-
-    opt.step(closure=closure)
 
 
 def manual_user_unscale(raw: bool) -> Callable:
@@ -416,11 +193,6 @@ def manual_step_then_forward(self, batch, batch_idx):
     out = self.net(x)
     expected = fresh_autocast_forward(self.net, x, self.amp_dtype)
     self.records.append(torch.equal(out, expected))
-
-
-def auto_plain(self, batch, batch_idx):
-    x, y = batch
-    return inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -449,7 +221,7 @@ class Case:
     manual: Callable  # training_step body in manual optimization
     recipe: Callable  # (RecipeRun, optimizers) -> None
     net: Callable[[str], nn.Module] = _mlp
-    configure: Callable = _one_optimizer
+    configure: Callable = one_optimizer
     #: Trainer kwargs of the automatic-optimization cell (training_step ``auto_plain``); None: manual only
     automatic: Optional[dict] = None
     precisions: tuple = PRECISIONS
@@ -477,9 +249,9 @@ CASES = {
         manual_clip_value_then_norm, recipe_clip_value_then_norm, check_recipe=_assert_clipping_happened
     ),
     "accumulate": Case(manual_accumulate, recipe_accumulate, automatic={"accumulate_grad_batches": 2}),
-    "two_optimizers": Case(manual_two_optimizers, recipe_two_optimizers, configure=_two_optimizers),
+    "two_optimizers": Case(manual_two_optimizers, recipe_two_optimizers, configure=two_optimizers),
     "multi_step": Case(manual_multi_step, recipe_multi_step),
-    "gan": Case(manual_gan, recipe_gan, net=lambda precision: GAN(), configure=_gan_optimizers),
+    "gan": Case(manual_gan, recipe_gan, net=lambda precision: GAN(), configure=gan_optimizers),
     "no_grad_teacher": Case(manual_teacher, recipe_teacher, net=lambda precision: TeacherStudent()),
     "closure": Case(manual_closure, recipe_plain, check_records=_closure_ran_under_autocast),
     "user_unscale_lightning_optimizer": Case(
@@ -505,7 +277,7 @@ def check_equivalence(package: str, mode: str, case_name: str, precision: str, o
     configure = functools.partial(case.configure, name=optimizer)
 
     recipe_net = copy.deepcopy(net)
-    rc = RecipeRun(recipe_net, precision)
+    rc = RecipeRun(recipe_net, precision, autocast_cache=AUTOCAST_CACHE and mode == "automatic")
     case.recipe(rc, configure(recipe_net))
     expected = rc.result()
     assert_recipe_is_sharp(expected, precision)
@@ -717,7 +489,7 @@ def check_misuse_plain_backward(package: str, misuse_at: str) -> None:
             self.records = seen
 
     net = mlp()
-    configure = functools.partial(_one_optimizer, name="SGD")
+    configure = functools.partial(one_optimizer, name="SGD")
     with pytest.raises(RuntimeError, match="manual_backward"):
         fit_lightning(package, "16-mixed", net, configure, manual_plain_backward_from(int(misuse_at)), module_cls=Module)
     assert len(seen) == 1, "training went on after the misuse"
@@ -780,22 +552,10 @@ STOCK_FAILURES = {
     # ... and after correct batches goes unnoticed: the unscaled gradients are divided by the scale
     "misuse_plain_backward:3": (pytest.fail.Exception, "DID NOT RAISE"),
 }
-if AUTOCAST_CACHE:
-    # autocast's weight cache is off: the discriminator, applied to real and fake samples, is cast twice and its two
-    # gradients are summed in fp32, where the recipe casts once and sums them in low precision
-    STOCK_FAILURES.update({f"manual:gan:bf16-mixed:{opt}": _DIFFERS for opt in OPTIMIZERS})
-
-
-def _stock_is_unpatched() -> bool:
-    try:
-        import pytorch_lightning
-    except ImportError:
-        return False
-    return pytorch_lightning.__version__ == "2.6.6"
 
 
 needs_stock = pytest.mark.skipif(
-    not _stock_is_unpatched(), reason="the negative control needs the unpatched `pytorch_lightning` 2.6.6"
+    not stock_is_unpatched(), reason=f"the negative control needs the unpatched `{STOCK}` 2.6.6"
 )
 
 
@@ -822,7 +582,7 @@ def test_multi_step_reference_is_gradscaler_for_one_step(precision, optimizer):
     runs = []
     for recipe in (functools.partial(recipe_multi_step, inner_steps=1), recipe_plain):
         rc = RecipeRun(mlp(), precision)
-        recipe(rc, _one_optimizer(rc.net, optimizer))
+        recipe(rc, one_optimizer(rc.net, optimizer))
         runs.append(rc.result())
     assert_recipe_is_sharp(runs[1], precision)
     assert_same_run(*runs)

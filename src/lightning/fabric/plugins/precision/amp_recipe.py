@@ -11,25 +11,38 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""PyTorch's AMP recipe for a :class:`torch.amp.GradScaler`, one training iteration at a time.
+"""PyTorch's AMP recipe for a gradient scaler, as one explicit state machine.
 
 The recipe (torch's "Automatic Mixed Precision examples"): ``scaler.scale(loss).backward()``; ``scaler.unscale_(opt)``
 before anything reads gradients; ``scaler.step(opt)`` for every optimizer; ``scaler.update()`` once per iteration, after
 the last step. :class:`GradScalerRecipe` is the one place in Lightning that drives a scaler through it, so the Trainer's
-and Fabric's precision plugins cannot drift apart; :class:`_AMPRecipePrecision` is Fabric's plugins' use of it.
+and Fabric's precision plugins cannot drift apart.
+
+The state it models:
+
+- per optimizer, a :class:`GradientStage`: ``READY`` (its gradients, if any, are multiplied by the loss scale),
+  ``UNSCALED`` (true gradients, inf check recorded, not stepped yet), ``STEPPED`` (stepped or skipped this iteration);
+- per scaler, an :class:`IterationPhase`: ``INSIDE`` an iteration that a loop opened (the Trainer's training batch),
+  or ``OUTSIDE`` (Fabric's loop, a step in ``on_train_epoch_end``), which decides when the single update is due;
+- parameters whose gradients a backward *without* the scale accumulated (``loss.backward()`` in manual optimization),
+  when the caller asks to watch for them.
+
+:class:`_TorchScalerAdapter` is the only code that reads or edits torch's private per-optimizer scaler state.
 """
 
+import enum
 import functools
 import inspect
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from lightning_utilities.core.imports import compare_version
 from torch import Tensor
-from torch.amp.grad_scaler import OptState
 from torch.nn import Module
 from torch.optim import LBFGS, SGD, Optimizer
 from typing_extensions import override
@@ -37,8 +50,15 @@ from typing_extensions import override
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
 
+try:  # torch >= 2.3
+    from torch.amp.grad_scaler import OptState as _TorchOptState
+except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
+    from torch.cuda.amp.grad_scaler import OptState as _TorchOptState  # type: ignore[no-redef]
+
 # Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
 _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
+# `GradScaler("cpu")` scales on the CPU from torch 2.3; before, a scaler is CUDA's and disables itself on a CPU run.
+_CPU_GRAD_SCALER_AVAILABLE = hasattr(torch.amp, "GradScaler")
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -69,74 +89,263 @@ def _takes_grad_scaler(step: Any) -> bool:
     return "grad_scaler" in inspect.signature(step).parameters
 
 
-class GradScalerRecipe:
-    """Drives a :class:`torch.amp.GradScaler` through PyTorch's AMP recipe for one training iteration at a time.
+def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
+    """Refuse a scaler that torch disabled: float16 gradients would then underflow silently, unscaled."""
+    if scaler is None or scaler.is_enabled():
+        return
+    device = getattr(scaler, "_device", "cuda")
+    if not torch.cuda.is_available() and device == "cuda":
+        why = "it is a CUDA scaler (`GradScaler()` or `GradScaler('cuda')`) and CUDA is not available, so torch disabled it"
+        if _CPU_GRAD_SCALER_AVAILABLE:
+            fix = "pass `scaler=torch.amp.GradScaler('cpu')` for a CPU run, or use `precision='bf16-mixed'`"
+        else:
+            fix = (
+                f"torch {torch.__version__} cannot scale gradients on a CPU (`torch.amp.GradScaler('cpu')` needs torch"
+                " >= 2.3): use `precision='bf16-mixed'` on a CPU, or upgrade torch"
+            )
+    else:
+        why = "it was created with `enabled=False`"
+        fix = "pass an enabled `GradScaler`, or use `precision='bf16-mixed'`, which needs no scaler"
+    raise ValueError(
+        f"{owner} got a disabled gradient scaler: {why}. With precision='16-mixed' and no loss scaling, float16"
+        f" gradients underflow to zero silently. To fix it, {fix}."
+    )
 
-    - :meth:`unscale` is idempotent: it unscales an optimizer's gradients once per step, whoever asks first (clipping,
-      the optimizer step, or the user calling ``scaler.unscale_`` themselves, also through a wrapper of the optimizer).
-    - :meth:`step` steps through the scaler. An optimizer stepped a second time in the same iteration keeps the
-      iteration's scale, and the inf check of its first step still counts for the update.
-    - :meth:`update` applies the iteration's single ``scaler.update()``; it does nothing when no step happened since
-      the last update (gradient accumulation, a skipped ``training_step``).
-    - :meth:`step_was_skipped` tells whether an optimizer's last step was skipped for inf/NaN gradients, fused
-      optimizers included; :attr:`skipped_steps` counts the skipped steps on the scaler's device. Neither costs a device
-      synchronisation until somebody reads it.
+
+class GradientStage(enum.Enum):
+    """Where an optimizer's gradients are in the recipe, in the current iteration."""
+
+    READY = "ready"
+    """Gradients, if any, are multiplied by the loss scale (or are zero): the next event is a backward or an unscale."""
+    UNSCALED = "unscaled"
+    """True gradients; their inf check is recorded. The optimizer must step before another scaled backward."""
+    STEPPED = "stepped"
+    """Stepped, or skipped for inf/NaN gradients, in this iteration. A new backward starts another step cycle."""
+
+
+class IterationPhase(enum.Enum):
+    """Whether a loop declared the current training iteration open, which decides when the single update is due."""
+
+    OUTSIDE = "outside"
+    """No iteration is open (Fabric's loop; a step in ``on_train_epoch_end``): an update owed by earlier steps is
+    applied before the next loss is scaled, before the next iteration opens, or before the scaler's state is saved."""
+    INSIDE = "inside"
+    """Inside a training iteration: the update waits for its end, and a checkpoint saved now holds the iteration's
+    scale, so that re-running the iteration from it uses the scale that iteration had."""
+
+
+@dataclass
+class _OptimizerRecord:
+    stage: GradientStage = GradientStage.READY
+    # the inf check of the last step (None: no step yet, or a step with no gradients, which cannot be skipped)
+    last_found_inf: Optional[Tensor] = None
+    # which update the gradients were unscaled after: a later update changes the scale they were unscaled with
+    unscaled_at_update: int = -1
+
+
+class _TorchScalerAdapter:
+    """The only reader and editor of torch's private per-optimizer scaler state (``GradScaler._per_optimizer_states``).
+
+    torch keeps, per ``id(optimizer)``, a ``"stage"`` (``OptState``) and ``"found_inf_per_device"`` (device -> tensor;
+    0-dim for ``GradScaler``, shape ``[1]`` for FSDP's ``ShardedGradScaler``), resets all of it in ``update()``, and
+    collects the update's inf checks from every entry. ``tests/tests_fabric/plugins/precision`` pins these behaviours on
+    every torch the fork supports.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self._retired = 0
+
+    def _states(self) -> dict:
+        return self.scaler._per_optimizer_states
+
+    def stage(self, optimizer: Any) -> Optional[GradientStage]:
+        """torch's stage of ``optimizer``, in our terms; ``None`` if torch holds nothing for it."""
+        state = self._states().get(id(optimizer))
+        if state is None:
+            return None
+        return {
+            _TorchOptState.READY: GradientStage.READY,
+            _TorchOptState.UNSCALED: GradientStage.UNSCALED,
+            _TorchOptState.STEPPED: GradientStage.STEPPED,
+        }[state["stage"]]
+
+    def adopt(self, optimizer: Any, aliases: Iterable[Any]) -> None:
+        """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the wrapped optimizer."""
+        states = self._states()
+        for alias in aliases:
+            alias_state = states.get(id(alias))
+            if alias_state is None:
+                continue
+            del states[id(alias)]
+            if alias_state["stage"] is not _TorchOptState.READY and self.stage(optimizer) in (None, GradientStage.READY):
+                states[id(optimizer)] = alias_state
+
+    def retire(self, optimizer: Any) -> None:
+        """Set a stepped (or unscaled) optimizer's state aside, so that it can run another step cycle in this
+        iteration while its inf check still counts for the iteration's update."""
+        states = self._states()
+        state = states.pop(id(optimizer), None)
+        if state is not None and state["found_inf_per_device"]:
+            self._retired += 1
+            states[-self._retired] = state  # negative keys are no object's id
+
+    def forget(self, optimizer: Any) -> None:
+        self._states().pop(id(optimizer), None)
+
+    def found_inf(self, optimizer: Any) -> Optional[Tensor]:
+        """The inf check recorded for ``optimizer``, summed over devices; ``None`` if none was recorded."""
+        state = self._states().get(id(optimizer))
+        found_infs = [] if state is None else list(state["found_inf_per_device"].values())
+        if not found_infs:
+            return None
+        if len(found_infs) == 1:
+            return found_infs[0]
+        return sum(f.to(found_infs[0].device) for f in found_infs)
+
+    def zero_dim_inf_checks(self, optimizer: Any) -> None:
+        """Give a fused optimizer 0-dim inf checks: its kernels subtract them from 0-dim step counters, and
+        ``ShardedGradScaler`` records shape ``[1]`` (torch then fails with "output with shape [] doesn't match")."""
+        state = self._states().get(id(optimizer))
+        if state is not None:
+            per_device = state["found_inf_per_device"]
+            for device, found_inf in per_device.items():
+                if found_inf.dim() != 0:
+                    per_device[device] = found_inf.reshape(())
+
+    def has_inf_checks(self) -> bool:
+        """Whether an unscale (ours or the user's) recorded an inf check since the last update."""
+        return any(state["found_inf_per_device"] for state in self._states().values())
+
+    def unscale_(self, optimizer: Any) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Any, **kwargs: Any) -> Any:
+        return self.scaler.step(optimizer, **kwargs)
+
+    def update(self) -> None:
+        self.scaler.update()
+        self._retired = 0
+
+    def reset(self) -> None:
+        """Forget every optimizer's state, as ``update()`` does, without updating (a checkpoint was loaded)."""
+        self._states().clear()
+        self._retired = 0
+
+
+class GradScalerRecipe:
+    """Drives a gradient scaler (``torch.amp.GradScaler``, FSDP's ``ShardedGradScaler``) through PyTorch's AMP recipe.
+
+    Every event of a training iteration is a transition of :class:`GradientStage` (per optimizer) and
+    :class:`IterationPhase` (per scaler):
+
+    - :meth:`scale` (a loss about to be backpropagated): settles an owed update when ``OUTSIDE``; ``STEPPED`` ->
+      ``READY`` (a new step cycle); ``UNSCALED`` -> ``READY`` if its gradients were cleared, otherwise an error.
+    - :meth:`backward` (a context around that backward): marks it as scaled, for :meth:`watch_unscaled_backward`.
+    - :meth:`unscale`: ``READY`` -> ``UNSCALED``; idempotent (``UNSCALED`` and ``STEPPED`` stay as they are).
+    - :meth:`step`: ``READY``/``UNSCALED`` -> ``STEPPED`` through the scaler; ``STEPPED`` -> ``STEPPED`` again for a
+      step cycle on gradients the caller assigned itself; a step without any gradient is a plain no-op step.
+    - :meth:`iteration_start`: settles an owed update; ``OUTSIDE`` -> ``INSIDE``.
+    - :meth:`iteration_end`: settles (``scaler.update()`` if any inf check was recorded); ``STEPPED`` -> ``READY``;
+      ``INSIDE`` -> ``OUTSIDE``.
+    - :meth:`state_dict`: settles first only when ``OUTSIDE``; mid-iteration the live run is left untouched.
+    - :meth:`load_state_dict`: every optimizer ``READY``.
+
+    A user's own ``scaler.unscale_(opt)``, ``scaler.step(opt)`` or ``scaler.update()`` (with the optimizer or a tracked
+    wrapper of it) is read from the scaler at the next event, so following PyTorch's recipe to the letter gives the
+    recipe's result: nothing is unscaled or updated twice.
 
     Example::
 
         recipe = GradScalerRecipe(torch.amp.GradScaler("cpu"))
-        recipe.scale(loss).backward()
-        recipe.unscale(optimizer)  # before clipping
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        recipe.step(optimizer)
-        recipe.update()  # once per iteration, after the last step
+        for batch in batches:
+            recipe.iteration_start()
+            with recipe.backward():
+                recipe.scale(loss_fn(model(batch))).backward()
+            recipe.unscale(optimizer)  # before clipping
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            recipe.step(optimizer)
+            recipe.iteration_end()  # the single `scaler.update()`
 
     .. warning::
-        It reads the scaler's per-optimizer state (``GradScaler._per_optimizer_states``), which has kept its shape
-        since torch 1.6; it is the only way to know what the user already did through the scaler.
+        Gradients unscaled in an iteration that does not step them (clipping inside a gradient-accumulation window)
+        must be cleared before the next backward: the scale of new gradients cannot be told apart from the old ones
+        afterwards, so :meth:`scale` raises instead.
+
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-        self._update_pending = False
-        self._spent_states = 0
-        self._found_inf: dict[int, torch.Tensor] = {}
-        self._iteration_found_infs: list[torch.Tensor] = []
-        # optimizers unscaled (by clipping) that have not stepped since
-        self._unscaled: dict[int, Any] = {}
-        self._skipped_steps: Optional[torch.Tensor] = None
-
-    @property
-    def update_pending(self) -> bool:
-        """Whether an optimizer stepped since the last :meth:`update`."""
-        return self._update_pending
-
-    def scale(self, tensor: torch.Tensor, optimizers: Callable[[], Iterable[Any]] = tuple) -> torch.Tensor:
-        """Multiply ``tensor`` (the loss) by the scale, once no optimizer holds unscaled gradients it did not step on.
-
+    def __init__(self, scaler: Any, aliases: Callable[[Any], Iterable[Any]] = lambda optimizer: ()) -> None:
+        """
         Args:
-            tensor: the loss about to be backpropagated.
-            optimizers: returns every optimizer (and wrapper) the caller knows of, to catch gradients the user
-                unscaled with ``scaler.unscale_`` and then did not step on; called only when something was unscaled
-                since the last update.
-
-        Raises:
-            RuntimeError: if an optimizer's gradients were unscaled but it did not step and they were not cleared: the
-                backward would add scaled gradients to unscaled ones.
+            scaler: the gradient scaler.
+            aliases: returns the wrappers of an optimizer (``LightningOptimizer``, Fabric's wrapper) that a user may
+                hand to ``scaler.unscale_`` instead of the optimizer.
 
         """
-        if self.scaler._per_optimizer_states:  # nothing was unscaled since the last update otherwise
-            self._release_unscaled_without_step(optimizers)
-        return self.scaler.scale(tensor)
+        self.scaler = scaler
+        self._aliases = aliases
+        self.phase = IterationPhase.OUTSIDE
+        self._torch = _TorchScalerAdapter(scaler)
+        self._records: "weakref.WeakKeyDictionary[Any, _OptimizerRecord]" = weakref.WeakKeyDictionary()
+        self._updates = 0
+        self._iteration_found_infs: list[Tensor] = []
+        self._skipped_steps: Optional[Tensor] = None
+        self._scaled_backward_depth = 0
+        self._recipe_steps: set[int] = set()
+        # parameters a backward without the scale accumulated into, by id
+        self._unscaled_accumulations: dict[int, Tensor] = {}
+        self._hook_handles: list[Any] = []
+        self._watched: set[int] = set()
 
-    def _release_unscaled_without_step(self, optimizers: Callable[[], Iterable[Any]]) -> None:
-        states = self.scaler._per_optimizer_states
-        candidates = {id(o): o for o in (*self._unscaled.values(), *optimizers())}
-        self._unscaled.clear()
-        for key, optimizer in candidates.items():
-            if self._stage(optimizer) is not OptState.UNSCALED:
-                continue
-            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+    def _record(self, optimizer: Any) -> _OptimizerRecord:
+        record = self._records.get(optimizer)
+        if record is None:
+            record = self._records[optimizer] = _OptimizerRecord()
+        return record
+
+    def _reconcile(self, optimizer: Any, aliases: Iterable[Any] = ()) -> _OptimizerRecord:
+        """Bring ``optimizer``'s record in line with what the user did through the scaler themselves."""
+        self._torch.adopt(optimizer, aliases)
+        record = self._record(optimizer)
+        torch_stage = self._torch.stage(optimizer)
+        if torch_stage is GradientStage.UNSCALED and record.stage is GradientStage.READY:
+            record.stage, record.unscaled_at_update = GradientStage.UNSCALED, self._updates
+        elif torch_stage is GradientStage.STEPPED and record.stage is not GradientStage.STEPPED:
+            record.stage, record.last_found_inf = GradientStage.STEPPED, self._torch.found_inf(optimizer)
+        return record
+
+    # ---- events -------------------------------------------------------------------------------------------------
+
+    def scale(self, loss: Tensor, optimizers: Callable[[], Iterable[Any]] = tuple) -> Tensor:
+        """A loss is about to be backpropagated: multiply it by the scale.
+
+        Args:
+            loss: the loss.
+            optimizers: returns every optimizer (and wrapper) the caller knows of, so that gradients the user unscaled
+                through the scaler themselves are seen too.
+
+        Raises:
+            RuntimeError: if an optimizer holds gradients that were unscaled and not stepped on: the backward would add
+                gradients multiplied by the loss scale to them.
+
+        """
+        if self.phase is IterationPhase.OUTSIDE:
+            self._settle()
+        if self._records or self._torch.has_inf_checks():
+            for optimizer in self._candidates(optimizers):
+                self._begin_step_cycle(optimizer)
+        return self.scaler.scale(loss)
+
+    def _candidates(self, optimizers: Callable[[], Iterable[Any]]) -> list[Any]:
+        return list({id(o): o for o in (*self._records.keys(), *optimizers())}.values())
+
+    def _begin_step_cycle(self, optimizer: Any) -> None:
+        record = self._reconcile(optimizer, self._aliases(optimizer))
+        if record.stage is GradientStage.STEPPED:
+            self._torch.retire(optimizer)
+            record.stage = GradientStage.READY
+        elif record.stage is GradientStage.UNSCALED:
+            if _holds_live_gradients(optimizer):
                 raise RuntimeError(
                     f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or"
                     " `scaler.unscale_`) but the optimizer did not step before this backward, which would add new"
@@ -144,15 +353,29 @@ class GradScalerRecipe:
                     " unscale only in iterations that step the optimizer (inside your gradient-accumulation condition,"
                     " for example), or zero its gradients before the next backward."
                 )
-            del states[key]  # no gradients: nothing was really unscaled, start over
+            # cleared (None or zeros): nothing unscaled remains; its inf check still counts for the update
+            self._torch.retire(optimizer)
+            record.stage = GradientStage.READY
 
+    @contextmanager
+    def backward(self) -> Generator[None, None, None]:
+        """The backward of a loss returned by :meth:`scale`.
 
-    def _stage(self, optimizer: Any) -> Optional[OptState]:
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        return None if state is None else state["stage"]
+        Raises:
+            RuntimeError: if a watched parameter holds gradients that a backward without the scale accumulated: this
+                backward would add scaled gradients to them.
 
-    def unscale(self, optimizer: Optimizer, aliases: tuple[Any, ...] = (), required: bool = True) -> None:
-        """Unscale ``optimizer``'s gradients unless that already happened since its last step.
+        """
+        if self._unscaled_accumulations:
+            self._check_no_unscaled_accumulations(self._unscaled_accumulations.values(), "a scaled backward")
+        self._scaled_backward_depth += 1
+        try:
+            yield
+        finally:
+            self._scaled_backward_depth -= 1
+
+    def unscale(self, optimizer: Optimizer, aliases: Iterable[Any] = (), required: bool = True) -> None:
+        """Unscale ``optimizer``'s gradients unless that already happened in this step cycle.
 
         Args:
             optimizer: the ``torch.optim`` optimizer whose gradients to unscale.
@@ -175,64 +398,196 @@ class GradScalerRecipe:
                     " or do not clip gradients with this one."
                 )
             return
-        self._adopt_state(optimizer, aliases)
-        if self._stage(optimizer) in (None, OptState.READY):
-            self.scaler.unscale_(optimizer)
-            self._unscaled[id(optimizer)] = optimizer
+        self._refuse_unscaled_accumulations(optimizer, f"Unscaling the gradients of {type(optimizer).__name__}")
+        record = self._reconcile(optimizer, aliases)
+        if record.stage is not GradientStage.READY:
+            return
+        if self._torch.stage(optimizer) is GradientStage.STEPPED:  # the user updated after a step: a fresh cycle
+            self._torch.forget(optimizer)
+        self._torch.unscale_(optimizer)
+        record.stage, record.unscaled_at_update = GradientStage.UNSCALED, self._updates
 
-    def step(self, optimizer: Optimizer, aliases: tuple[Any, ...] = (), **kwargs: Any) -> Any:
-        """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN."""
+    def step(self, optimizer: Optimizer, aliases: Iterable[Any] = (), **kwargs: Any) -> Any:
+        """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN.
+
+        Raises:
+            RuntimeError: if watched parameters of ``optimizer`` hold gradients that a backward without the scale
+                accumulated, or its gradients were unscaled before an earlier update. Nothing is changed then.
+
+        """
         if not self.scaler.is_enabled():
             return optimizer.step(**kwargs)
-        self._adopt_state(optimizer, aliases)
+        self._refuse_unscaled_accumulations(optimizer, f"`{type(optimizer).__name__}.step()`")
+        record = self._reconcile(optimizer, aliases)
+        if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
+            raise RuntimeError(
+                f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
+                " scale was updated, and the optimizer steps on them only now. Step in the iteration that clips or"
+                " unscales its gradients, or zero them and compute them again. The step was not taken."
+            )
+        if record.stage is GradientStage.STEPPED:
+            # a second step cycle without a scaled backward in between: gradients the caller assigned itself
+            # (gradient surgery with `torch.autograd.grad(scaler.scale(loss), ...)`)
+            self._torch.retire(optimizer)
+            record.stage = GradientStage.READY
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            # nothing to step on: the optimizer would skip every parameter. torch's scaler would fail with "No inf
+            # checks were recorded for this optimizer", so the step is taken without it; it cannot overflow.
+            output = optimizer.step(**kwargs)
+            record.stage, record.last_found_inf = GradientStage.STEPPED, None
+            return output
         _protect_fused_sgd_momentum(optimizer)
-        self._check_fused_can_read_inf_checks(optimizer)
-        output = self.scaler.step(optimizer, **kwargs)
-        self._update_pending = True
-        self._unscaled.pop(id(optimizer), None)
-        found_infs = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-        if found_infs:  # empty only for an optimizer that unscales inside its own `step()`: it keeps its own record
-            found_inf = found_infs[0] if len(found_infs) == 1 else sum(f.to(found_infs[0].device) for f in found_infs)
-            self._found_inf[id(optimizer)] = found_inf
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not _handles_unscaling_itself(optimizer):
+            self.unscale(optimizer, required=False)
+            self._torch.zero_dim_inf_checks(optimizer)
+        self._recipe_steps.add(id(optimizer))
+        try:
+            output = self._torch.step(optimizer, **kwargs)
+        finally:
+            self._recipe_steps.discard(id(optimizer))
+        found_inf = self._torch.found_inf(optimizer)
+        record.stage, record.last_found_inf = GradientStage.STEPPED, found_inf
+        if found_inf is not None:  # None only for an optimizer that unscales inside its own `step()`
             self._iteration_found_infs.append(found_inf)
         return output
 
-    def _check_fused_can_read_inf_checks(self, optimizer: Optimizer) -> None:
-        """Refuse what torch cannot do: a fused optimizer fed the 1-element inf checks of a ``ShardedGradScaler``.
+    def iteration_start(self) -> None:
+        """A loop opens a training iteration: an update owed by steps outside the last one is applied first."""
+        self._settle()
+        self.phase = IterationPhase.INSIDE
 
-        Fused kernels subtract the scaler's ``found_inf`` from their 0-dim step counters; ``ShardedGradScaler`` (FSDP)
-        records it with shape ``[1]``, and torch fails inside the step ("output with shape [] doesn't match the
-        broadcast shape [1]") after some state may already have changed.
+    def iteration_end(self) -> None:
+        """A loop closes a training iteration: the iteration's single ``scaler.update()``."""
+        self._settle()
+        self.phase = IterationPhase.OUTSIDE
+
+    def _settle(self) -> None:
+        """Apply the update owed by the inf checks recorded since the last one (steps, and unscales without a step
+        whose inf check must still lower the scale); none when the user already called ``scaler.update()``."""
+        if self._torch.has_inf_checks():
+            self._torch.update()
+            self._updates += 1
+        for record in self._records.values():
+            if record.stage is GradientStage.STEPPED:
+                record.stage = GradientStage.READY
+        self._count_skipped_steps()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state. Outside an iteration the owed update belongs to the finished iteration and is applied
+        first; inside one, the live run is left untouched and the state holds the iteration's own scale."""
+        if self.phase is IterationPhase.OUTSIDE:
+            self._settle()
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state_dict)
+        for record in self._records.values():
+            record.stage = GradientStage.READY
+        self._torch.reset()
+
+    # ---- backward without the scale -----------------------------------------------------------------------------
+
+    def watch_unscaled_backward(self, optimizers: Iterable[Optimizer]) -> None:
+        """Watch ``optimizers``' parameters for gradients accumulated by a backward that :meth:`scale` did not scale
+        (``loss.backward()`` instead of the plugin's backward), and their raw ``step()`` on scaled gradients.
+
+        Gradients assigned to ``.grad`` (gradient surgery) and ``torch.autograd.grad`` are not accumulations and are
+        not flagged. Costs one Python call per parameter per backward; :meth:`unwatch` removes the hooks.
         """
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not self.scaler.is_enabled():
             return
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        found_infs = [] if state is None else state["found_inf_per_device"].values()
-        if any(found_inf.dim() != 0 for found_inf in found_infs):
+        this = weakref.ref(self)
+        for optimizer in optimizers:
+            if id(optimizer) not in self._watched:
+                self._watched.add(id(optimizer))
+                self._hook_handles.append(
+                    optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
+                )
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in self._watched or not p.requires_grad:
+                        continue
+                    self._watched.add(id(p))
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(functools.partial(_accumulate_grad_hook, this))
+                    )
+
+    def unwatch(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._watched.clear()
+        self._unscaled_accumulations.clear()
+
+    def _refuse_unscaled_accumulations(self, optimizer: Any, where: str) -> None:
+        if not self._unscaled_accumulations:
+            return
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._check_no_unscaled_accumulations(
+            [p for key, p in self._unscaled_accumulations.items() if key in params], where
+        )
+
+    def _check_no_unscaled_accumulations(self, params: Iterable[Tensor], where: str) -> None:
+        live = []
+        for p in list(params):
+            if _is_live(p.grad):
+                live.append(p)
+            else:  # cleared since: nothing unscaled remains
+                self._unscaled_accumulations.pop(id(p), None)
+        if live:
             raise RuntimeError(
-                f"The fused optimizer {type(optimizer).__qualname__} cannot step with {type(self.scaler).__name__}:"
-                " torch's sharded scaler records its inf check with shape [1], which fused kernels cannot read. Use"
-                " `fused=False` (the foreach implementation) with FSDP under 16-mixed, or bf16-mixed."
+                f"{where} found gradients that a backward without the loss scale accumulated ({len(live)} parameter"
+                " tensor(s)): with a gradient scaler every backward must go through it, or the step divides those"
+                " gradients by the scale. Call `self.manual_backward(loss)` (Fabric: `fabric.backward(loss)`) instead"
+                " of `loss.backward()` or `torch.autograd.backward`, for every loss of the step. Nothing was changed."
             )
 
-    def record_no_step(self, optimizer: Optimizer) -> None:
-        """Note that ``optimizer`` did not step this iteration (nothing to step on): no step of it was skipped, and an
-        unscale without gradients (clipping on a batch without backward) leaves no state behind."""
-        self._found_inf.pop(id(optimizer), None)
-        if self._unscaled.pop(id(optimizer), None) is not None and self._stage(optimizer) is OptState.UNSCALED:
-            del self.scaler._per_optimizer_states[id(optimizer)]
+    def _check_raw_step(self, optimizer: Optimizer) -> None:
+        if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
+            return  # our step, or inside the user's own `scaler.step` of a fused optimizer
+        if self._torch.stage(optimizer) is not None and self._torch.stage(optimizer) is not GradientStage.READY:
+            return  # the user unscaled through the scaler (`scaler.unscale_`, `scaler.step`): true gradients
+        record = self._records.get(optimizer)
+        if record is not None and record.stage is not GradientStage.READY:
+            return
+        if _holds_live_gradients(optimizer):
+            raise RuntimeError(
+                f"`{type(optimizer).__name__}.step()` was called on the raw optimizer, whose gradients are still"
+                " multiplied by the loss scale: the scaler neither unscaled them nor checked them for inf/NaN. Step the"
+                " optimizer `self.optimizers()` returns (the `LightningOptimizer`), or drive the scaler yourself"
+                " (`scaler.unscale_(opt)` or `scaler.step(opt)`). The step was not taken."
+            )
+
+    # ---- signals ------------------------------------------------------------------------------------------------
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
 
-        ``False`` before its first step. Reading it synchronises with the device.
+        ``False`` before its first step, and for a step with no gradients. Reading it synchronises with the device.
 
         """
-        found_inf = self._found_inf.get(id(optimizer))
+        record = self._records.get(optimizer)
+        found_inf = None if record is None else record.last_found_inf
         return found_inf is not None and bool(found_inf.item() > 0)
 
+    def forget_last_step(self, optimizer: Optimizer) -> None:
+        """``optimizer`` did not step in this iteration (nothing to step on): no step of it was skipped, and an unscale
+        without gradients (clipping on a batch without backward) leaves no state behind."""
+        record = self._records.get(optimizer)
+        if record is None:
+            return
+        record.last_found_inf = None
+        if record.stage is GradientStage.UNSCALED and self._torch.found_inf(optimizer) is None:
+            self._torch.forget(optimizer)
+            record.stage = GradientStage.READY
+
     @property
-    def skipped_steps(self) -> torch.Tensor:
+    def updates(self) -> int:
+        """How many ``scaler.update()`` calls this recipe applied."""
+        return self._updates
+
+    @property
+    def skipped_steps(self) -> Tensor:
         """How many steps (of all optimizers) the scaler skipped so far, as a tensor on the scaler's device."""
         self._count_skipped_steps()
         if self._skipped_steps is None:
@@ -246,36 +601,41 @@ class GradScalerRecipe:
         self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
         self._iteration_found_infs.clear()
 
-    def _adopt_state(self, optimizer: Optimizer, aliases: tuple[Any, ...]) -> None:
-        """Make the scaler's state for ``optimizer`` reflect this step, whatever the user did through ``aliases``."""
-        states = self.scaler._per_optimizer_states
-        for alias in aliases:
-            alias_state = states.get(id(alias))
-            if alias_state is None or alias_state["stage"] is OptState.READY:
-                continue
-            if self._stage(optimizer) in (None, OptState.READY):
-                # the user unscaled through the wrapper: that state belongs to the optimizer it wraps
-                states[id(optimizer)] = states.pop(id(alias))
-            else:
-                del states[id(alias)]
-        if self._stage(optimizer) is OptState.STEPPED:
-            # a second step of this optimizer in one iteration: keep the first step's inf check for the update
-            self._spent_states += 1
-            states[-self._spent_states] = states.pop(id(optimizer))
+    def __getstate__(self) -> dict[str, Any]:
+        # launchers pickle plugins (`ddp_spawn`); hooks and weak records stay in this process
+        state = self.__dict__.copy()
+        state.update(_records=None, _aliases=None, _hook_handles=[], _watched=set(), _unscaled_accumulations={})
+        return state
 
-    def update(self) -> None:
-        """The iteration's one ``scaler.update()``, if an optimizer stepped since the last one.
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._records = weakref.WeakKeyDictionary()
+        self._aliases = lambda optimizer: ()
 
-        A user who follows PyTorch's recipe to the letter and calls ``scaler.update()`` themselves has already applied
-        it (the scaler then holds no stepped optimizer); it is not applied twice.
-        """
-        if self._update_pending and any(
-            state["stage"] is OptState.STEPPED for state in self.scaler._per_optimizer_states.values()
-        ):
-            self.scaler.update()
-        self._update_pending = False
-        self._spent_states = 0
-        self._count_skipped_steps()  # once per iteration, asynchronously, so the record stays small
+
+def _accumulate_grad_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", param: Tensor) -> None:
+    recipe = recipe_ref()
+    if recipe is not None and recipe._scaled_backward_depth == 0:
+        recipe._unscaled_accumulations[id(param)] = param
+
+
+def _raw_step_pre_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Optimizer, *_: Any) -> None:
+    recipe = recipe_ref()
+    if recipe is not None:
+        recipe._check_raw_step(optimizer)
+
+
+def _is_live(grad: Optional[Tensor]) -> bool:
+    """Whether ``grad`` holds anything: ``zero_grad(set_to_none=False)`` leaves zeros, which are not live."""
+    return grad is not None and bool(grad.ne(0).any())
+
+
+def _holds_live_gradients(optimizer: Any) -> bool:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return False
+    # one device synchronisation for all of them; only on paths that are about to raise or to forget a state
+    return bool(torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any())
 
 
 def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
@@ -314,9 +674,10 @@ class _ScalerRecipeHolder:
 
     """
 
-    scaler: Optional[torch.amp.GradScaler]
+    scaler: Optional[Any]
 
     def _init_amp_recipe(self) -> None:
+        _check_scaler_is_enabled(self.scaler, f"`{type(self).__name__}`")
         self._scaler_recipe: Optional[GradScalerRecipe] = None
         self._optimizer_wrappers: weakref.WeakSet = weakref.WeakSet()
 
@@ -324,7 +685,7 @@ class _ScalerRecipeHolder:
     def _recipe(self) -> GradScalerRecipe:
         assert self.scaler is not None
         if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
-            self._scaler_recipe = GradScalerRecipe(self.scaler)
+            self._scaler_recipe = GradScalerRecipe(self.scaler, aliases=self._aliases)
         return self._scaler_recipe
 
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
@@ -335,9 +696,8 @@ class _ScalerRecipeHolder:
         return tuple(w for w in self._optimizer_wrappers if w.optimizer is optimizer)
 
     def _known_optimizers(self) -> list[Any]:
-        """Every tracked wrapper and the optimizer it wraps."""
-        wrappers = list(self._optimizer_wrappers)
-        return [*wrappers, *(w.optimizer for w in wrappers)]
+        """The optimizers that tracked wrappers wrap."""
+        return [w.optimizer for w in self._optimizer_wrappers]
 
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle the plugin (e.g. `ddp_spawn`): the weak references to wrappers stay in this process
@@ -348,31 +708,33 @@ class _ScalerRecipeHolder:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._optimizer_wrappers = weakref.WeakSet()
+        if self._scaler_recipe is not None:
+            self._scaler_recipe._aliases = self._aliases
 
 
 class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
     ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
 
-    Fabric's loop belongs to the user, so Fabric ends an iteration (:meth:`training_iteration_end`, the single
-    ``scaler.update()``) right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the
-    plugin's ``state_dict``: several optimizers fed by one backward are all unscaled with the scale that scaled their
-    gradients.
+    Fabric's loop belongs to the user, so no iteration is ever open (:attr:`IterationPhase.OUTSIDE`): the single
+    ``scaler.update()`` owed by an iteration's steps is applied right before the next ``fabric.backward()`` scales a
+    loss, and before ``fabric.save`` or the plugin's ``state_dict``. Several optimizers fed by one backward are all
+    unscaled with the scale that scaled their gradients.
 
     """
 
     @override
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        if self.scaler is not None:
-            # the last iteration's single update comes before this one's scaling
-            self.training_iteration_end()
-            tensor = self._recipe.scale(tensor, self._known_optimizers)
-        super().backward(tensor, model, *args, **kwargs)
+        if self.scaler is None:
+            return super().backward(tensor, model, *args, **kwargs)
+        tensor = self._recipe.scale(tensor, self._known_optimizers)
+        with self._recipe.backward():
+            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def training_iteration_end(self) -> None:
         if self.scaler is not None:
-            self._recipe.update()
+            self._recipe.iteration_end()
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -400,13 +762,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.scaler is not None:
-            # a pending update belongs to the iteration being saved: a resumed run must not miss it
-            self.training_iteration_end()
-            return self.scaler.state_dict()
-        return {}
+        if self.scaler is None:
+            return {}
+        return self._recipe.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
+            self._recipe.load_state_dict(state_dict)

@@ -29,11 +29,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.precision.amp_recipe import _autocast_enabled, _ScalerRecipeHolder
+from lightning.fabric.plugins.precision.amp_recipe import (
+    _AUTOCAST_CACHE_IS_SAFE,
+    _autocast_enabled,
+    _ScalerRecipeHolder,
+)
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -50,19 +55,36 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     """
 
-    scaler: Optional["torch.amp.GradScaler"]
+    scaler: Optional[Any]
     cache_enabled: bool
+    # the user left `cache_enabled` unset: `connect` turns the cache on where it is safe, in automatic optimization
+    _cache_follows_optimization_mode: bool = False
 
     @property
     def _autocast_device(self) -> str:
         raise NotImplementedError
 
     @override
-    def _init_amp_recipe(self) -> None:
-        super()._init_amp_recipe()
-        # scaled backward passes so far, and their count at each optimizer's last step (misuse check, manual mode)
-        self._scaled_backwards = 0
-        self._scaled_backwards_at_step: dict[int, int] = {}
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        module = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
+        manual = module is not None and not module.automatic_optimization
+        if self._cache_follows_optimization_mode:
+            # a `training_step` in manual optimization may edit weights in place between two forwards (inner-loop
+            # updates, clamping, perturbations); autocast's cache cannot see that, so it stays off there
+            self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE and not manual
+        if manual and self.scaler is not None:
+            # `loss.backward()` instead of `self.manual_backward(loss)`, or a step of the raw optimizer, would leave
+            # gradients the scaler did not scale, or step on scaled ones: both raise instead of training silently wrong
+            self._recipe.watch_unscaled_backward(optimizers)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def teardown(self) -> None:
+        if self.scaler is not None and self._scaler_recipe is not None:
+            self._scaler_recipe.unwatch()
+        super().teardown()
 
     def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[Any, ...]]:
         """The ``torch.optim`` optimizer and the ``LightningOptimizer`` wrappers a user may have unscaled it through."""
@@ -82,6 +104,14 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         with torch.autocast(self._autocast_device, enabled=False):
             yield
 
+    @contextmanager
+    def _scaled_backward(self) -> Generator[None, None, None]:
+        if self.scaler is None:
+            yield
+            return
+        with self._recipe.backward():
+            yield
+
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
         with self.forward_context():
             return closure()
@@ -91,7 +121,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         with self._outside_forward_context():
             if self.scaler is not None:
                 tensor = self._recipe.scale(tensor, self._known_optimizers)
-                self._scaled_backwards += 1
             return super().pre_backward(tensor, module)
 
     @override
@@ -103,7 +132,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        with self._outside_forward_context():
+        with self._outside_forward_context(), self._scaled_backward():
             super().backward(tensor, model, optimizer, *args, **kwargs)
         if self.cache_enabled:
             # the graph that needed the cached casts is gone: free them now, as a run without the cache would
@@ -142,8 +171,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             )
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
-        if not automatic:
-            self._check_scaled_backward(optimizer)
         optimizer, wrappers = self._unwrap(optimizer)
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on
         steps = not (automatic and loss is None)
@@ -153,7 +180,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._recipe.unscale(optimizer, wrappers, required=False)
         self._after_closure(model, optimizer)
         if not steps:
-            self._recipe.record_no_step(optimizer)
+            self._recipe.forget_last_step(optimizer)
             return loss
         # the scaler skips the step on inf/NaN gradients; its one update follows in `training_iteration_end`
         return self._recipe.step(optimizer, wrappers, **kwargs)
@@ -171,25 +198,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
                 self._recipe.unscale(*self._unwrap(optimizer))
             super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def _check_scaled_backward(self, optimizer: Optimizer) -> None:
-        """Refuse to step on gradients that no ``manual_backward`` produced since this optimizer's last step.
-
-        Such gradients were not multiplied by the loss scale, so the step would divide them by it and silently freeze
-        training.
-
-        """
-        key = id(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
-        if self._scaled_backwards == self._scaled_backwards_at_step.get(key, 0) and any(
-            p.grad is not None for group in optimizer.param_groups for p in group["params"]
-        ):
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step()` was called on gradients that `self.manual_backward(loss)` did not"
-                f" compute: with precision={self.precision!r} the loss must be multiplied by the gradient scaler's scale"
-                " before backward, and the step divides the gradients by it. Call `self.manual_backward(loss)` instead"
-                " of `loss.backward()` (or `torch.autograd.backward`) in `training_step`. The step was not taken."
-            )
-        self._scaled_backwards_at_step[key] = self._scaled_backwards
-
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
         if self.scaler is None:
@@ -197,19 +205,24 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         return self._recipe.step_was_skipped(self._unwrap(optimizer)[0])
 
     @override
+    def training_iteration_start(self) -> None:
+        if self.scaler is not None:
+            self._recipe.iteration_start()
+
+    @override
     def training_iteration_end(self) -> None:
         if self.scaler is not None:
-            self._recipe.update()
+            self._recipe.iteration_end()
 
     @override
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}
-        self._recipe.update()  # a pending update belongs to the iteration being saved: a resumed run must not miss it
-        return self.scaler.state_dict()
+        # mid-iteration (a checkpoint from `training_step` or a step hook) the live run is left untouched
+        return self._recipe.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is None:
             return
-        self.scaler.load_state_dict(state_dict)
+        self._recipe.load_state_dict(state_dict)

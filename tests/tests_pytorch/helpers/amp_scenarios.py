@@ -1,0 +1,1316 @@
+"""The differential corpus: mixed-precision scenarios run through PyTorch's AMP recipe, the fork and stock 2.6.6.
+
+Each :class:`Scenario` is one thing a user does in a ``LightningModule`` (mostly in manual optimization), written twice:
+
+* ``step``: the ``training_step`` body, ``(module, batch, batch_idx)``, as the user writes it for Lightning; and
+* ``recipe``: the same training written as a hand-written PyTorch AMP loop, ``(RecipeRun, optimizers)``, following the
+  torch docs' recipe (autocast around forward and loss only, ``scaler.scale(loss).backward()``, ``scaler.unscale_``
+  before anything reads gradients, ``scaler.step`` per optimizer, one ``scaler.update()`` per iteration).
+
+:func:`lightning_outcome` trains it through the Trainer of a package (the fork :data:`FORK` or stock :data:`STOCK`) and
+returns what happened: the run (parameters, scale trajectory, skipped steps, what the step recorded) or the exception,
+and whether the weights and optimizer states were left as they were at the last :meth:`mark` (the start of the batch,
+unless the step marks later). :func:`recipe_outcome` trains the recipe. What a scenario expects is one of:
+
+* :data:`EQUAL`: the Lightning run is the recipe's, bitwise (``assert_same_run`` plus equal ``records``);
+* :class:`Raises`: a clear error of the given type, whose message matches, that left weights and optimizer states
+  unchanged (``before_training``: raised before any ``training_step`` ran);
+* :class:`EqualOrRaises`: either of the two (the fork may refuse the pattern or support it, as long as it is not silent
+  and wrong);
+* for stock only: :class:`Differs` (the negative control: stock does not follow the recipe, the assertion that fails
+  matches ``what``), :data:`NO_ERROR` (trains without an error where the fork must raise: there is no recipe to compare
+  with, torch itself would train silently wrong or the recipe raises) and :data:`MISSING` (stock has no such feature).
+
+All data are a function of ``batch_idx`` (the loader yields positions only) so that a run resumed mid-epoch trains on
+the same batches as the uninterrupted one (Lightning restarts a non-resumable loader while ``batch_idx`` continues; see
+``tests_pytorch/checkpointing/test_amp_resume.py``).
+
+Loss scales are powers of two and ``growth_interval=1``; under 16-mixed an ``inf`` is injected into batch 2 (and a
+second one into a later loss of batch 5 where a step has several losses). fp16 matmuls are slow on CPU: everything is
+tiny (an 8-16-4 MLP, 8 batches of 4).
+"""
+
+import contextlib
+import copy
+import functools
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests_pytorch.helpers.amp_recipe import (
+    AUTOCAST_CACHE,
+    CLIP_NORM,
+    FORK,
+    GAN,
+    INIT_SCALE,
+    MIXED_PRECISIONS,
+    N_BATCHES,
+    OUT_FEATURES,
+    PRECISIONS,
+    STOCK,
+    RecipeRun,
+    RunResult,
+    assert_same_run,
+    chunks,
+    clip_reference,
+    gan_optimizers,
+    inject_inf,
+    lightning_api,
+    make_batches,
+    make_optimizer,
+    make_trainer,
+    manual_clip,
+    manual_closure,
+    manual_gan,
+    manual_gan_step,
+    manual_multi_step,
+    manual_two_optimizers,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    one_optimizer,
+    optimizer_params,
+    recipe_clip,
+    recipe_gan,
+    recipe_multi_step,
+    recipe_plain,
+    recipe_two_optimizers,
+    trainable,
+    two_optimizers,
+)
+
+P16 = ("16-mixed",)
+BF16 = ("bf16-mixed",)
+
+# --------------------------------------------------------------------------------------------------------------------
+# what a scenario expects
+# --------------------------------------------------------------------------------------------------------------------
+
+#: the run is the recipe's, bitwise
+EQUAL = "equal"
+#: stock trains without raising (where the fork must raise; nothing to compare with)
+NO_ERROR = "no error"
+#: stock has no such feature: not run
+MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class Raises:
+    types: tuple[type, ...]
+    #: ``re.search`` pattern the message must match
+    match: str
+    #: a pattern the message must not match (the error must not be rewritten into something else)
+    not_match: Optional[str] = None
+    #: a pattern the message of ``__cause__`` must match (the original error is kept)
+    cause: Optional[str] = None
+    #: no ``training_step`` ran (a configuration error found before training)
+    before_training: bool = False
+    #: the weights and optimizer states are as at the last mark
+    unchanged: bool = True
+
+
+@dataclass(frozen=True)
+class EqualOrRaises:
+    raises: Raises
+
+
+@dataclass(frozen=True)
+class Differs:
+    """Stock does not follow the recipe; ``what`` matches the failing assertion (``parameters differ``, ``scale
+    trajectory``, ``changed per batch``, ``records``)."""
+
+    what: str = ""
+
+
+#: the errors a scenario may expect from the fork for misuse: what the contract calls a clear error
+CLEAR_ERRORS = (RuntimeError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# scenarios
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The scenario resumes (``fit(ckpt_path=...)``) from the checkpoint that scenario ``of`` saved at batch
+    ``saved_at``; the recipe restores its snapshot of that moment and continues from batch ``start`` (the batch
+    Lightning's loop runs first after the resume)."""
+
+    of: str
+    start: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    #: what it covers (``issue 12 item 2.k`` or a usage pattern)
+    about: str
+    #: ``training_step`` body ``(module, batch, batch_idx)``
+    step: Callable
+    #: the recipe ``(RecipeRun, optimizers)``; ``None``: nothing to compare with (only errors are expected)
+    recipe: Optional[Callable]
+    precisions: tuple[str, ...]
+    #: the fork's expected outcome: one for all precisions, or ``{precision: outcome}``
+    expect: Any
+    #: stock's outcome, ``{precision: outcome}`` (found by running it; see the module docstring for the kinds)
+    stock: dict[str, Any]
+    net: Callable[[], nn.Module] = mlp
+    configure: Callable[[nn.Module], list] = functools.partial(one_optimizer, name="SGD")
+    automatic: bool = False
+    #: extra Trainer arguments, or a function ``(api) -> dict`` of them (callbacks go under ``"callbacks"``)
+    trainer: Union[dict, Callable[[Any], dict]] = field(default_factory=dict)
+    #: hooks of the LightningModule ``{name: fn(module, *args)}`` besides ``training_step``
+    hooks: dict[str, Callable] = field(default_factory=dict)
+    #: a callback ``{hook name: fn(trainer, module, *args)}``
+    callback: dict[str, Callable] = field(default_factory=dict)
+    #: the 16-mixed scaler (default :func:`new_scaler`)
+    scaler: Optional[Callable[[], Any]] = None
+    init_scale: float = INIT_SCALE
+    #: batches per epoch and epochs
+    batches: int = N_BATCHES
+    epochs: int = 1
+    #: the batch during which a ``save_checkpoint`` scenario saves
+    save_at: Optional[int] = None
+    resume: Optional[Resume] = None
+    #: compare what both sides recorded (off where only one side records, e.g. the recipe's clip sizes)
+    records: bool = True
+    #: a check that the recipe run exercised what the scenario is about (``RunResult -> bool``)
+    sharp: Optional[Callable[[RunResult], bool]] = None
+
+    def expected(self, precision: str) -> Any:
+        return self.expect[precision] if isinstance(self.expect, dict) else self.expect
+
+    def cells(self) -> list[str]:
+        return [f"{self.name}:{precision}" for precision in self.precisions]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the two sides' machinery
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _optimizer_states(optimizers: list) -> list:
+    return [copy.deepcopy(opt.state_dict()["state"]) for opt in optimizers]
+
+
+def _same_states(a: list, b: list) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        return x == y
+
+    return same(a, b)
+
+
+def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """``max |actual - expected| / max |expected|`` over all parameters (inf if anything is non-finite)."""
+    diff = max((actual[n].double() - p.double()).abs().max().item() for n, p in expected.items())
+    size = max(p.double().abs().max().item() for p in expected.values())
+    return diff / size if math.isfinite(diff) else math.inf
+
+
+def assert_follows(actual: RunResult, expected: RunResult, records: bool = True) -> None:
+    """``actual`` is the recipe's run: scale trajectory, skipped steps, parameters bitwise, and what both recorded."""
+    try:
+        assert_same_run(actual, expected)
+    except AssertionError as err:
+        if actual.params.keys() == expected.params.keys():
+            raise AssertionError(f"{err} (relative error {relative_error(actual.params, expected.params):.3g})") from None
+        raise
+    if records:
+        assert actual.records == expected.records, f"records: {actual.records} != recipe {expected.records}"
+
+
+@dataclass
+class Outcome:
+    run: Optional[RunResult] = None
+    error: Optional[BaseException] = None
+    #: the weights and optimizer states at the error were those of the last mark
+    unchanged: Optional[bool] = None
+    #: training steps that ran
+    steps: int = 0
+
+
+def recipe_autocast_cache(scenario: Scenario) -> bool:
+    """The autocast weight cache of the recipe: the fork's policy, on where torch makes it safe in automatic
+    optimization, off in manual optimization (as ``test_amp_manual_recipe`` has it). It matters where a weight is used
+    twice in one autocast region (the GAN's discriminator on real and fake samples): cast once with the cache, its two
+    low-precision gradients are summed before the cast back, twice without it and summed in fp32."""
+    return AUTOCAST_CACHE and scenario.automatic
+
+
+class ScenarioRecipe(RecipeRun):
+    """A recipe run that can snapshot its state at a save point and be restored from one; a resumed run records the
+    batches it trains (as the Lightning side does), to show it continues where Lightning's loop does."""
+
+    def __init__(self, net: nn.Module, precision: str, scenario: Scenario) -> None:
+        super().__init__(net, precision)
+        self.cache = recipe_autocast_cache(scenario)
+        self.scaler._init_scale = scenario.init_scale
+        self.stop = scenario.batches
+        self.save_at = scenario.save_at
+        self.record_batches = scenario.resume is not None
+        self.snapshot: Optional[dict] = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.dtype, cache_enabled=self.cache)
+
+    def batches(self):
+        for batch_idx, batch in super().batches():
+            if self.record_batches:
+                self.records.append(("batch", batch_idx))
+            yield batch_idx, batch
+
+    def save_point(self, batch_idx: int, optimizers: list) -> None:
+        """The recipe's counterpart of ``trainer.save_checkpoint`` at this point of batch ``batch_idx``."""
+        if batch_idx == self.save_at:
+            self.snapshot = {
+                "net": copy.deepcopy(self.net.state_dict()),
+                "optimizers": [copy.deepcopy(opt.state_dict()) for opt in optimizers],
+                "scaler": copy.deepcopy(self.scaler.state_dict()),
+            }
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_outcome(name: str, precision: str) -> RunResult:
+    scenario = SCENARIOS[name]
+    if scenario.resume is None:
+        rc = ScenarioRecipe(scenario.net(), precision, scenario)
+        opts = scenario.configure(rc.net)
+        scenario.recipe(rc, opts)
+        result = rc.result()
+        result.snapshot = rc.snapshot  # type: ignore[attr-defined]
+        return result
+    saved = recipe_outcome(scenario.resume.of, precision).snapshot  # type: ignore[attr-defined]
+    assert saved is not None, "the recipe never reached the save point"
+    net = scenario.net()
+    net.load_state_dict(saved["net"])
+    rc = ScenarioRecipe(net, precision, scenario)
+    rc.save_at = None
+    rc.start = scenario.resume.start
+    rc.scaler.load_state_dict(saved["scaler"])
+    opts = scenario.configure(net)
+    for opt, state in zip(opts, saved["optimizers"]):
+        opt.load_state_dict(state)
+    scenario.recipe(rc, opts)
+    return rc.result()
+
+
+class Positions:
+    """Yields each batch's position; the data come from ``make_batches()[batch_idx]``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@functools.lru_cache(maxsize=None)
+def module_class(package: str) -> type:
+    api = lightning_api(package)
+
+    class ScenarioModule(api.LightningModule):
+        """Runs ``scenario.step`` as its ``training_step`` on ``make_batches()[batch_idx]``; ``records`` collects what
+        the step saw; :meth:`mark` snapshots weights and optimizer states (the start of every batch)."""
+
+        def __init__(self, scenario: Scenario, net: nn.Module, precision: str) -> None:
+            super().__init__()
+            self.net = net
+            self.scenario = scenario
+            self.precision_name = precision
+            self.automatic_optimization = scenario.automatic
+            self.inf_at = RecipeRun(nn.Linear(1, 1), precision).inf_at
+            self.late_inf_at = RecipeRun(nn.Linear(1, 1), precision).late_inf_at
+            self.records: list[Any] = []
+            self.steps = 0
+            self.checkpoint_path: Optional[Path] = None
+            self._mark: tuple = ([p.detach().clone() for p in self.net.parameters()], None)
+
+        @property
+        def scaler(self) -> Optional[torch.amp.GradScaler]:
+            """What a user reaches for: ``self.trainer.precision_plugin.scaler`` (``None`` without one)."""
+            return getattr(self.trainer.precision_plugin, "scaler", None)
+
+        def save_point(self, batch_idx: int) -> None:
+            """``self.trainer.save_checkpoint`` at the scenario's save point (not again in a resumed run)."""
+            if batch_idx == self.scenario.save_at and self.checkpoint_path is not None:
+                self.trainer.save_checkpoint(self.checkpoint_path)
+
+        def mark(self) -> None:
+            optimizers = self.trainer.optimizers if self._trainer is not None else []
+            self._mark = ([p.detach().clone() for p in self.net.parameters()], _optimizer_states(optimizers))
+
+        def unchanged_since_mark(self) -> bool:
+            params, states = self._mark
+            if any(not torch.equal(a, p) for a, p in zip(params, self.net.parameters())):
+                return False
+            return states is None or _same_states(states, _optimizer_states(self.trainer.optimizers))
+
+        def configure_optimizers(self):
+            opts = self.scenario.configure(self.net)
+            return opts[0] if len(opts) == 1 else opts
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.mark()
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            self.batch_idx_now = batch_idx
+            if self.scenario.resume is not None:
+                self.records.append(("batch", batch_idx))
+            return self.scenario.step(self, make_batches()[batch_idx], batch_idx)
+
+        def on_train_epoch_end(self):
+            if "on_train_epoch_end" in self.scenario.hooks:
+                self.scenario.hooks["on_train_epoch_end"](self)
+
+    return ScenarioModule
+
+
+@functools.lru_cache(maxsize=None)
+def callback_class(package: str) -> type:
+    api = lightning_api(package)
+
+    class ScenarioCallback(api.Callback):
+        def __init__(self, hooks: dict[str, Callable]) -> None:
+            self.hooks = hooks
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if "on_before_optimizer_step" in self.hooks:
+                self.hooks["on_before_optimizer_step"](trainer, pl_module, optimizer)
+
+        def on_train_end(self, trainer, pl_module):
+            if "on_train_end" in self.hooks:
+                self.hooks["on_train_end"](trainer, pl_module)
+
+    return ScenarioCallback
+
+
+_CHECKPOINTS = tempfile.TemporaryDirectory(prefix="amp-scenarios-")
+
+
+def _checkpoint_path(package: str, name: str, precision: str) -> Path:
+    return Path(_CHECKPOINTS.name) / f"{package}-{name}-{precision}.ckpt"
+
+
+@functools.lru_cache(maxsize=None)
+def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
+    """Train scenario ``name`` through the Trainer of ``package``; the run, or the error and what it left behind."""
+    scenario = SCENARIOS[name]
+    api = lightning_api(package)
+    module = module_class(package)(scenario, scenario.net(), precision)
+    ckpt_path = None
+    if scenario.resume is not None:
+        saved_by = lightning_outcome(package, scenario.resume.of, precision)
+        if saved_by.error is not None:
+            return Outcome(error=RuntimeError(f"the run that saves the checkpoint failed: {saved_by.error!r}"))
+        ckpt_path = _checkpoint_path(package, scenario.resume.of, precision)
+    elif scenario.save_at is not None:
+        module.checkpoint_path = _checkpoint_path(package, name, precision)
+    extra = scenario.trainer(api) if callable(scenario.trainer) else dict(scenario.trainer)
+    callbacks = [*extra.pop("callbacks", ()), callback_class(package)(scenario.callback)]
+    recorder = api.Recorder()
+    trainer_kwargs = {"max_epochs": scenario.epochs, **extra}
+    try:
+        scaler = None
+        if precision == "16-mixed":
+            scaler = scenario.scaler() if scenario.scaler is not None else new_scaler()
+            if scenario.scaler is None:
+                scaler._init_scale = scenario.init_scale
+        trainer = make_trainer(api, precision, scaler=scaler, callbacks=[recorder, *callbacks], **trainer_kwargs)
+        trainer.fit(module, train_dataloaders=Positions(scenario.batches), ckpt_path=ckpt_path)
+    except Exception as err:  # the outcome is judged by the test
+        unchanged = module.unchanged_since_mark() if module._trainer is not None else None
+        return Outcome(error=err, unchanged=unchanged, steps=module.steps)
+    return Outcome(
+        run=RunResult(
+            params={n: p.detach().clone() for n, p in module.net.named_parameters()},
+            scales=None if all(s is None for s in recorder.scales) else recorder.scales,
+            changed=recorder.changed,
+            records=module.records,
+        ),
+        steps=module.steps,
+    )
+
+
+def _describe(outcome: Outcome) -> str:
+    if outcome.error is not None:
+        return f"raised {type(outcome.error).__name__}: {outcome.error}"
+    return "trained"
+
+
+def assert_outcome(outcome: Outcome, expected: Any, name: str, precision: str) -> None:
+    """``outcome`` (of a Lightning run of scenario ``name``) is what ``expected`` says."""
+    scenario = SCENARIOS[name]
+    if expected == EQUAL or isinstance(expected, Differs):
+        if outcome.error is not None:
+            raise AssertionError(f"expected a run, but it {_describe(outcome)}") from outcome.error
+        recipe = recipe_outcome(name, precision)
+        if expected == EQUAL:
+            assert_follows(outcome.run, recipe, scenario.records)
+            return
+        try:
+            assert_follows(outcome.run, recipe, scenario.records)
+        except AssertionError as err:
+            assert expected.what in str(err), f"differs otherwise than recorded ({expected.what!r}): {err}"
+            return
+        raise AssertionError("stock follows the recipe here, unlike what is recorded: update the record")
+    if expected == NO_ERROR:
+        assert outcome.error is None, f"expected no error, but it {_describe(outcome)}"
+        return
+    if isinstance(expected, EqualOrRaises):
+        if outcome.error is None:
+            assert_follows(outcome.run, recipe_outcome(name, precision), scenario.records)
+            return
+        expected = expected.raises
+    assert isinstance(expected, Raises), expected
+    err = outcome.error
+    if err is None:
+        message = ""
+        try:
+            assert_follows(outcome.run, recipe_outcome(name, precision), scenario.records)
+        except AssertionError as why:
+            message = f": it trains silently wrong ({why})"
+        except Exception:  # no recipe for this scenario
+            pass
+        raise AssertionError(f"expected {[t.__name__ for t in expected.types]} matching {expected.match!r}, no error{message}")
+    assert isinstance(err, expected.types), f"expected {[t.__name__ for t in expected.types]}, {_describe(outcome)}"
+    assert re.search(expected.match, str(err)), f"message does not match {expected.match!r}: {str(err)!r}"
+    if expected.not_match is not None:
+        assert not re.search(expected.not_match, str(err)), f"message matches {expected.not_match!r}: {str(err)!r}"
+    if expected.cause is not None:
+        assert err.__cause__ is not None and re.search(expected.cause, str(err.__cause__)), f"cause: {err.__cause__!r}"
+    if expected.before_training:
+        assert outcome.steps == 0, f"raised only after {outcome.steps} training steps"
+    if expected.unchanged:
+        assert outcome.unchanged is not False, "the step that raised changed the weights or the optimizer state"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# pieces both sides share (what the user writes once: losses, gradient surgery, weight edits)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def grads_finite(opt: Any) -> bool:
+    return all(torch.isfinite(p.grad).all() for p in optimizer_params(opt) if p.grad is not None)
+
+
+def has_grads(opt: Any) -> bool:
+    return any(p.grad is not None for p in optimizer_params(opt))
+
+
+def two_task_losses(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_idx: int, inf_at) -> list[torch.Tensor]:
+    """Two tasks on one output whose gradients often conflict; the first task's loss gets the injected inf."""
+    out = net(x)
+    return [inject_inf(F.mse_loss(out, y), batch_idx, inf_at), F.mse_loss(out, y.flip(1))]
+
+
+def pcgrad(task_grads: list[tuple[torch.Tensor, ...]]) -> tuple[list[torch.Tensor], bool]:
+    """PCGrad (Yu et al. 2020): project each task's gradient off the others' where they conflict, then sum. The
+    projection is invariant to a common loss scale, so it may run on scaled gradients. Returns the summed gradient per
+    parameter and whether any projection happened."""
+    shapes = [g.shape for g in task_grads[0]]
+    flat = [torch.cat([g.reshape(-1) for g in grads]) for grads in task_grads]
+    projected, conflict = [], False
+    for i, gi in enumerate(flat):
+        g = gi.clone()
+        for j, gj in enumerate(flat):
+            dot = torch.dot(g, gj)
+            if i != j and dot < 0:
+                g = g - dot / torch.dot(gj, gj) * gj
+                conflict = True
+        projected.append(g)
+    total = torch.stack(projected).sum(0)
+    return list(torch.split(total, [s.numel() for s in shapes])), conflict
+
+
+def assign_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g.view_as(p).clone()
+
+
+def gradient_penalty(loss: torch.Tensor, scaled_grads: tuple[torch.Tensor, ...], inv_scale: float) -> torch.Tensor:
+    """torch's AMP example: unscale the gradients of the scaled loss (out of place), add their norm to the loss."""
+    grads = [g * inv_scale for g in scaled_grads]
+    norm = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+    return loss + norm
+
+
+#: Reptile-style inner update: learning rate of the in-place step between the two forwards
+INNER_LR = 0.05
+#: weight clamp between the two forwards: this MLP's initial weights reach +-0.35, so it really clamps
+CLAMP = 0.2
+#: SAM's neighbourhood size
+RHO = 0.05
+
+
+@torch.no_grad()
+def inner_update(params: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
+    for p, g in zip(params, grads):
+        p.sub_(INNER_LR * g)
+
+
+@torch.no_grad()
+def clamp_weights(params: list[torch.Tensor]) -> bool:
+    before = [p.clone() for p in params]
+    for p in params:
+        p.clamp_(-CLAMP, CLAMP)
+    return any(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+def sam_perturbation(grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    norm = torch.stack([g.norm() for g in grads]).norm()
+    return [RHO * g / (norm + 1e-12) for g in grads]
+
+
+@torch.no_grad()
+def shift(params: list[torch.Tensor], deltas: list[torch.Tensor], sign: float) -> None:
+    for p, d in zip(params, deltas):
+        p.add_(sign * d)
+
+
+class TwoHeads(nn.Module):
+    """An MLP body and an auxiliary head that only every second batch uses: the head's optimizer then has no
+    gradients at its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        torch.manual_seed(3)
+        self.head = nn.Linear(OUT_FEATURES, OUT_FEATURES)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, batch_idx: int, inf_at) -> torch.Tensor:
+        out = self.body(x)
+        loss = inject_inf(F.mse_loss(out, y), batch_idx, inf_at)
+        if batch_idx % 2 == 0:
+            loss = loss + F.mse_loss(self.head(out), y)
+        return loss
+
+
+def two_heads_optimizers(net: TwoHeads) -> list:
+    return [make_optimizer("SGD", net.body.parameters()), make_optimizer("SGD", net.head.parameters())]
+
+
+def fused_adamw(net: nn.Module) -> list:
+    return [torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the scenarios: recipe loops and training_step bodies
+# --------------------------------------------------------------------------------------------------------------------
+
+#: the batch during which the checkpoint scenarios save
+SAVE_AT = 3
+#: the batch Lightning's loop runs first when resuming from a checkpoint saved during batch SAVE_AT: the interrupted
+#: batch counts as not completed, so it runs again (its first optimizer steps a second time)
+RESUME_START = SAVE_AT
+
+
+def save_in_on_before_second_step(trainer, pl_module, optimizer) -> None:
+    """A callback saving a checkpoint in ``on_before_optimizer_step`` of the second of two optimizers."""
+    if getattr(optimizer, "optimizer", optimizer) is trainer.optimizers[1]:
+        pl_module.save_point(pl_module.batch_idx_now)
+
+
+EPOCH_BATCHES, EPOCHS = 4, 3
+
+
+def step_backward_every_batch(self, batch, batch_idx):
+    # full-epoch accumulation: backward every batch, the step in on_train_epoch_end; an inf in the second epoch
+    x, y = batch
+    at = self.inf_at if self.current_epoch == 1 else None
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, at) / EPOCH_BATCHES)
+
+
+def epoch_end_step(self):
+    opt = self.optimizers()
+    opt.step()
+    opt.zero_grad()
+
+
+def recipe_epoch_end_step(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for epoch in range(EPOCHS):
+        for i, (x, y) in rc.batches():
+            with rc.autocast():
+                loss = inject_inf(mlp_loss(rc.net, x, y), i, rc.inf_at if epoch == 1 else None) / EPOCH_BATCHES
+            rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+        opt.zero_grad()
+
+
+#: a loss scale this MLP's fp16 backward overflows at: the first steps are skipped until the scale backed off
+OVERFLOWING_SCALE = 2.0**20
+
+
+def guard_step(set_to_none: bool) -> Callable:
+    def training_step(self, batch, batch_idx):
+        # clip, then skip the step on non-finite gradients (a common user guard)
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad(set_to_none=set_to_none)
+        self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+        finite = grads_finite(opt)
+        self.records.append(finite)
+        if finite:
+            opt.step()
+
+    return training_step
+
+
+def recipe_guard(set_to_none: bool) -> Callable:
+    def recipe(rc: RecipeRun, opts: list) -> None:
+        # the recipe's update() runs in every iteration that unscaled: a skipped step still backs the scale off
+        (opt,) = opts
+        for i, (x, y) in rc.batches():
+            opt.zero_grad(set_to_none=set_to_none)
+            with rc.autocast():
+                loss = rc.inject(mlp_loss(rc.net, x, y), i)
+            rc.scaler.scale(loss).backward()
+            rc.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(optimizer_params(opt), CLIP_NORM)
+            finite = grads_finite(opt)
+            rc.records.append(finite)
+            if finite:
+                rc.scaler.step(opt)
+            rc.scaler.update()
+
+    return recipe
+
+
+#: the batch without backward (its loss does not apply) whose step still runs on the zeroed gradients
+NO_BACKWARD_AT = 3
+
+
+def step_on_zeroed_grads(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad(set_to_none=False)
+    if batch_idx != NO_BACKWARD_AT:
+        self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    opt.step()  # momentum moves the weights on zero gradients too
+
+
+def recipe_step_on_zeroed_grads(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad(set_to_none=False)
+        if i != NO_BACKWARD_AT:
+            with rc.autocast():
+                loss = rc.inject(mlp_loss(rc.net, x, y), i)
+            rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def clip_b_every_batch_step_every_second(self, batch, batch_idx):
+    opt_a, opt_b = self.optimizers()
+    x, y = batch
+    opt_a.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    self.clip_gradients(opt_b, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+    opt_a.step()
+    if batch_idx % 2 == 1:
+        opt_b.step()
+        opt_b.zero_grad()
+
+
+def pcgrad_step(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    params = trainable(self.net)
+    scale = self.scaler.scale if self.scaler is not None else _identity
+    losses = two_task_losses(self.net, x, y, batch_idx, self.inf_at)
+    task_grads = [torch.autograd.grad(scale(loss), params, retain_graph=True) for loss in losses]
+    total, conflict = pcgrad(task_grads)
+    self.records.append(conflict)
+    opt.zero_grad()
+    assign_grads(params, total)
+    opt.step()
+
+
+def recipe_pcgrad(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    params = trainable(rc.net)
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            losses = two_task_losses(rc.net, x, y, i, rc.inf_at)
+        task_grads = [torch.autograd.grad(rc.scaler.scale(loss), params, retain_graph=True) for loss in losses]
+        total, conflict = pcgrad(task_grads)
+        rc.records.append(conflict)
+        opt.zero_grad()
+        assign_grads(params, total)
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+AUX_WEIGHT = 1e-3
+
+
+def aux_loss(net: nn.Module) -> torch.Tensor:
+    return AUX_WEIGHT * torch.stack([p.pow(2).sum() for p in trainable(net)]).sum()
+
+
+def aux_plain_backward(self, batch, batch_idx):
+    # misuse: the auxiliary loss bypasses the scaler
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    main = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    aux = aux_loss(self.net)
+    self.manual_backward(main)
+    aux.backward()
+    opt.step()
+
+
+def recipe_main_and_aux(rc: RecipeRun, opts: list) -> None:
+    # what the user meant: both losses scaled
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            main = rc.inject(mlp_loss(rc.net, x, y), i)
+            aux = aux_loss(rc.net)
+        rc.scaler.scale(main).backward()
+        rc.scaler.scale(aux).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def raw_optimizer_step(self, batch, batch_idx):
+    opt = self.optimizers(use_pl_optimizer=False)
+    x, y = batch
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    opt.step()
+
+
+def gradient_penalty_step(self, batch, batch_idx):
+    # torch's "gradient penalty" AMP example, in a LightningModule
+    opt = self.optimizers()
+    x, y = batch
+    params = trainable(self.net)
+    scaler = self.scaler
+    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+    scaled = torch.autograd.grad(scaler.scale(loss) if scaler else loss, params, create_graph=True)
+    loss = gradient_penalty(loss, scaled, 1.0 / scaler.get_scale() if scaler else 1.0)
+    opt.zero_grad()
+    self.manual_backward(loss)
+    opt.step()
+
+
+def recipe_gradient_penalty(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    params = trainable(rc.net)
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        scaled = torch.autograd.grad(rc.scaler.scale(loss), params, create_graph=True)
+        with rc.autocast():
+            loss = gradient_penalty(loss, scaled, 1.0 / rc.scaler.get_scale())
+        opt.zero_grad()
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def manual_plain_recording(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    self.manual_backward(mlp_loss(self.net, x, y))
+    opt.step()
+
+
+def reptile_step(self, batch, batch_idx):
+    # an inner SGD step written in place between two forwards (first-order meta-learning)
+    opt = self.optimizers()
+    x, y = batch
+    params = trainable(self.net)
+    inner_update(params, torch.autograd.grad(mlp_loss(self.net, x[:2], y[:2]), params))
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x[2:], y[2:]), batch_idx, self.inf_at))
+    opt.step()
+
+
+def recipe_reptile(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    params = trainable(rc.net)
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            inner = mlp_loss(rc.net, x[:2], y[:2])
+        inner_update(params, torch.autograd.grad(inner, params))
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x[2:], y[2:]), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def clamp_step(self, batch, batch_idx):
+    # a no_grad forward (a metric), the weights clamped in place (a constraint), then the training forward
+    opt = self.optimizers()
+    x, y = batch
+    with torch.no_grad():
+        self.net(x)
+    self.records.append(clamp_weights(trainable(self.net)))
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    opt.step()
+
+
+def recipe_clamp(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        with rc.autocast(), torch.no_grad():
+            rc.net(x)
+        rc.records.append(clamp_weights(trainable(rc.net)))
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def sam_step(self, batch, batch_idx):
+    # SAM with autograd.grad: perturb the weights in place, forward and backward there, restore, step
+    opt = self.optimizers()
+    x, y = batch
+    params = trainable(self.net)
+    eps = sam_perturbation(torch.autograd.grad(mlp_loss(self.net, x, y), params))
+    shift(params, eps, +1.0)
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    shift(params, eps, -1.0)
+    opt.step()
+
+
+def recipe_sam(rc: RecipeRun, opts: list) -> None:
+    (opt,) = opts
+    params = trainable(rc.net)
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            first = mlp_loss(rc.net, x, y)
+        eps = sam_perturbation(torch.autograd.grad(first, params))
+        shift(params, eps, +1.0)
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        shift(params, eps, -1.0)
+        rc.scaler.step(opt)
+        rc.scaler.update()
+
+
+def loss_scale_monitor_trainer(api) -> dict:
+    return {
+        "accumulate_grad_batches": 2,
+        "callbacks": [api.pl.callbacks.LossScaleMonitor()],
+        "logger": api.pl.loggers.CSVLogger(_CHECKPOINTS.name, name="loss-scale-monitor"),
+        "log_every_n_steps": 1,
+    }
+
+
+def record_monitor_history(trainer, pl_module) -> None:
+    (monitor,) = [c for c in trainer.callbacks if type(c).__name__ == "LossScaleMonitor"]
+    pl_module.records.append(("logged", copy.deepcopy(monitor.history)))
+
+
+def auto_loss(self, batch, batch_idx):
+    x, y = batch
+    return inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
+
+
+def recipe_accumulate_clip(rc: RecipeRun, opts: list) -> None:
+    # a step every 2nd batch on the sum of two halved losses, clipped on the stepping batches only
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i) / 2
+        rc.scaler.scale(loss).backward()
+        if i % 2 == 1:
+            rc.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(optimizer_params(opt), CLIP_NORM)
+            rc.scaler.step(opt)
+            rc.scaler.update()
+            opt.zero_grad()
+
+
+def accumulate_clip_step(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at) / 2)
+    if batch_idx % 2 == 1:
+        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+
+
+def recipe_monitored_accumulation(rc: RecipeRun, opts: list) -> None:
+    """Accumulation over 2 batches, then what ``LossScaleMonitor`` must log: once per optimizer step, the scale after
+    it and the number of skipped steps so far."""
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i) / 2
+        rc.scaler.scale(loss).backward()
+        if i % 2 == 1:
+            rc.scaler.step(opt)
+            rc.scaler.update()
+            opt.zero_grad()
+    stepped = range(1, rc.stop, 2)
+    skipped = [sum(not rc.changed[j] for j in stepped if j <= i) for i in stepped]
+    rc.records.append(
+        ("logged", {"loss_scale": [rc.scales[i] for i in stepped], "skipped_steps": [float(s) for s in skipped]})
+    )
+
+
+def two_heads_step(self, batch, batch_idx):
+    opt_a, opt_b = self.optimizers()
+    x, y = batch
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    self.manual_backward(self.net.loss(x, y, batch_idx, self.inf_at))
+    opt_a.step()
+    opt_b.step()
+
+
+def recipe_two_heads(rc: RecipeRun, opts: list) -> None:
+    # the recipe steps an optimizer only when it has gradients (torch asserts "No inf checks were recorded" otherwise)
+    opt_a, opt_b = opts
+    for i, (x, y) in rc.batches():
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        with rc.autocast():
+            loss = rc.net.loss(x, y, i, rc.inf_at)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.step(opt_a)
+        if has_grads(opt_b):
+            rc.scaler.step(opt_b)
+        rc.scaler.update()
+
+
+def _other_dtype(precision: str) -> torch.dtype:
+    return torch.float16 if precision == "bf16-mixed" else torch.bfloat16
+
+
+def weight_in_two_dtypes(self, batch, batch_idx):
+    # a layer used inside a nested autocast region of the other low-precision dtype and again outside it
+    opt = self.optimizers()
+    x, y = batch
+    with torch.autocast("cpu", dtype=_other_dtype(self.precision_name)):
+        inner = self.net[0](x)
+    loss = F.mse_loss(self.net(x), y) + inner.float().mean()
+    opt.zero_grad()
+    self.manual_backward(loss)
+    opt.step()
+
+
+def weight_in_two_dtypes_automatic(self, batch, batch_idx):
+    x, y = batch
+    with torch.autocast("cpu", dtype=_other_dtype(self.precision_name)):
+        inner = self.net[0](x)
+    return F.mse_loss(self.net(x), y) + inner.float().mean()
+
+
+#: torch's message for a conv on a CPU input with CUDA weights (a device mismatch worded "should be the same"); this
+#: machine has no CUDA, so the step raises it as torch would
+CONV_DEVICE_MISMATCH = (
+    "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the same or input should be a"
+    " MKLDNN tensor and weight is a dense tensor"
+)
+
+
+def device_mismatch_conv(self, batch, batch_idx):
+    self.net(batch[0])
+    raise RuntimeError(CONV_DEVICE_MISMATCH)
+
+
+def device_mismatch_meta(self, batch, batch_idx):
+    # a real device mismatch: "Tensor on device meta is not on the expected device cpu!"
+    x, _ = batch
+    return torch.cat([self.net(x), torch.zeros(1, OUT_FEATURES, device="meta")]).sum()
+
+
+def recipe_closure(rc: RecipeRun, opts: list) -> None:
+    # the closure's forward runs under autocast: its output has the autocast dtype
+    recipe_plain(rc, opts)
+    rc.records.extend([rc.dtype or torch.float32] * (rc.stop - rc.start))
+
+
+def _gan() -> GAN:
+    return GAN()
+
+
+_gan_sgd = functools.partial(gan_optimizers, name="SGD")
+_gan_adamw = functools.partial(gan_optimizers, name="AdamW")
+_two_sgd = functools.partial(two_optimizers, name="SGD")
+_adamw = functools.partial(one_optimizer, name="AdamW")
+
+def _recorded_some(result: RunResult) -> bool:
+    """Some batch really did it (PCGrad projected, the clamp clamped)."""
+    return any(result.records)
+
+
+def _skips_some_steps(result: RunResult) -> bool:
+    """The guard skipped some steps and took others."""
+    return any(result.records) and not all(result.records)
+
+
+_MANUAL_BACKWARD = Raises(CLEAR_ERRORS, r"manual_backward")
+_RECIPE_DIFFERS_UNLESS_32 = {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL}
+
+
+def _scenarios() -> list[Scenario]:
+    gan_between = manual_gan_step(between=lambda module, batch_idx: module.save_point(batch_idx))
+    return [
+        # ---- issue 12, item 2 ----------------------------------------------------------------------------------
+        Scenario(
+            "checkpoint_between_gan_d_step_and_g_backward",
+            "12.2.1: trainer.save_checkpoint mid-iteration must not change the live run",
+            gan_between, recipe_gan, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
+            net=_gan, configure=_gan_sgd, save_at=SAVE_AT,
+        ),
+        Scenario(
+            "resume_from_checkpoint_between_gan_d_step_and_g_backward",
+            "12.2.1: ... and resumes exactly where Lightning's loop continues (it re-runs the batch)",
+            gan_between, recipe_gan, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
+            net=_gan, configure=_gan_sgd, resume=Resume("checkpoint_between_gan_d_step_and_g_backward", RESUME_START),
+            save_at=SAVE_AT,
+        ),
+        Scenario(
+            "checkpoint_in_on_before_optimizer_step_of_second_optimizer",
+            "12.2.1: a callback saving before the second of two optimizers fed by one backward",
+            manual_two_optimizers, recipe_two_optimizers, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
+            configure=_two_sgd, callback={"on_before_optimizer_step": save_in_on_before_second_step}, save_at=SAVE_AT,
+        ),
+        Scenario(
+            "resume_from_checkpoint_in_on_before_optimizer_step_of_second_optimizer",
+            "12.2.1: ... and resumes exactly",
+            manual_two_optimizers, recipe_two_optimizers, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
+            configure=_two_sgd, save_at=SAVE_AT,
+            resume=Resume("checkpoint_in_on_before_optimizer_step_of_second_optimizer", RESUME_START),
+        ),
+        Scenario(
+            "step_in_on_train_epoch_end",
+            "12.2.2: backward every batch, opt.step() in on_train_epoch_end (full-epoch accumulation)",
+            step_backward_every_batch, recipe_epoch_end_step, MIXED_PRECISIONS, EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            hooks={"on_train_epoch_end": epoch_end_step}, batches=EPOCH_BATCHES, epochs=EPOCHS,
+        ),
+        Scenario(
+            "guard_skips_step_on_nonfinite_grads",
+            "12.2.3: clip, find non-finite gradients, skip opt.step(): the scale must still back off",
+            guard_step(set_to_none=True), recipe_guard(set_to_none=True), P16, EQUAL,
+            {"16-mixed": Differs("scale trajectory")}, init_scale=OVERFLOWING_SCALE, sharp=_skips_some_steps,
+        ),
+        Scenario(
+            "guard_skips_step_zero_grad_keeps_zeros",
+            "12.2.3 + 12.2.4: the same guard with zero_grad(set_to_none=False)",
+            guard_step(set_to_none=False), recipe_guard(set_to_none=False), P16, EQUAL,
+            {"16-mixed": Differs("scale trajectory")}, init_scale=OVERFLOWING_SCALE, sharp=_skips_some_steps,
+        ),
+        Scenario(
+            "step_on_zeroed_grads_without_backward",
+            "12.2.4: zero_grad(set_to_none=False), a batch without backward that still steps (momentum)",
+            step_on_zeroed_grads, recipe_step_on_zeroed_grads, MIXED_PRECISIONS, EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+        ),
+        Scenario(
+            "two_optimizers_b_clipped_every_batch_stepped_every_second",
+            "12.2.5: B's unscaled gradients would receive scaled ones: the clear error of the one-optimizer case",
+            clip_b_every_batch_step_every_second, None, P16, Raises(CLEAR_ERRORS, r"did not step"),
+            {"16-mixed": NO_ERROR}, configure=_two_sgd,
+        ),
+        Scenario(
+            "pcgrad_autograd_grad_of_scaled_losses",
+            "12.2.6: gradient surgery on torch.autograd.grad(scaler.scale(loss_i)) assigned to .grad",
+            pcgrad_step, recipe_pcgrad, PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
+            sharp=_recorded_some,
+        ),
+        Scenario(
+            "misuse_aux_loss_backward_next_to_manual_backward",
+            "12.2.7: aux.backward() next to self.manual_backward(main)",
+            aux_plain_backward, recipe_main_and_aux, P16, _MANUAL_BACKWARD, {"16-mixed": Differs("parameters differ")},
+        ),
+        Scenario(
+            "misuse_gan_g_loss_backward",
+            "12.2.7: G's loss.backward() after D used manual_backward",
+            manual_gan_step(plain_g_backward=True), recipe_gan, P16, _MANUAL_BACKWARD,
+            {"16-mixed": Differs("scale trajectory")},
+            net=_gan, configure=_gan_sgd,
+        ),
+        Scenario(
+            "raw_optimizer_step",
+            "12.2.7: self.optimizers(use_pl_optimizer=False).step(): raise, or step like the recipe",
+            raw_optimizer_step, recipe_plain, MIXED_PRECISIONS,
+            {"16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"use_pl_optimizer|LightningOptimizer")),
+             "bf16-mixed": EQUAL},
+            {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL},
+        ),
+        Scenario(
+            "gradient_penalty",
+            "12.2.7: torch's AMP gradient-penalty example (autograd.grad of the scaled loss, create_graph)",
+            gradient_penalty_step, recipe_gradient_penalty, PRECISIONS, EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
+        ),
+        Scenario(
+            "scaler_disabled_by_the_user",
+            "12.2.8: MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
+            manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR}, scaler=lambda: torch.amp.GradScaler("cpu", enabled=False),
+        ),
+        Scenario(
+            "scaler_disabled_by_the_user_automatic",
+            "12.2.8: the same in automatic optimization",
+            auto_loss, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR}, automatic=True, scaler=lambda: torch.amp.GradScaler("cpu", enabled=False),
+        ),
+        Scenario(
+            "cuda_scaler_on_cpu",
+            "12.2.8: GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
+            manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR}, scaler=lambda: torch.amp.GradScaler("cuda"),
+        ),
+        Scenario(
+            "inplace_inner_update_between_forwards",
+            "12.2.9: a Reptile-style inner step written in place between two forwards",
+            reptile_step, recipe_reptile, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+        ),
+        Scenario(
+            "inplace_clamp_between_forwards",
+            "12.2.9: weights clamped in place after a no_grad forward, before the training forward",
+            clamp_step, recipe_clamp, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            sharp=_recorded_some,
+        ),
+        Scenario(
+            "inplace_perturbation_between_forwards",
+            "12.2.9: SAM written with autograd.grad: perturb in place, forward/backward, restore, step",
+            sam_step, recipe_sam, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+        ),
+        Scenario(
+            "loss_scale_monitor_under_accumulation",
+            "12.2.11: LossScaleMonitor logs once per optimizer step under gradient accumulation",
+            auto_loss, recipe_monitored_accumulation, P16, EQUAL, {"16-mixed": MISSING}, automatic=True,
+            trainer=loss_scale_monitor_trainer, callback={"on_train_end": record_monitor_history},
+        ),
+        Scenario(
+            "optimizer_without_gradients",
+            "12.2.12: an optimizer whose parameters got no gradient: a clear error or the recipe's skip",
+            two_heads_step, recipe_two_heads, MIXED_PRECISIONS,
+            {"16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"(?i)gradient")), "bf16-mixed": EQUAL},
+            {"16-mixed": Raises((AssertionError,), r"No inf checks", unchanged=False), "bf16-mixed": EQUAL},
+            net=TwoHeads, configure=two_heads_optimizers,
+        ),
+        Scenario(
+            "nested_autocast_dtype_mismatch_linear",
+            "12.2.13: nn.Linear's 'mat1 and mat2 must have the same dtype' names the cache switch",
+            weight_in_two_dtypes, None, MIXED_PRECISIONS,
+            Raises((RuntimeError,), r"cache_enabled=False", cause=r"mat1 and mat2") if AUTOCAST_CACHE else NO_ERROR,
+            {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR},
+        ),
+        Scenario(
+            "nested_autocast_dtype_mismatch_linear_automatic",
+            "12.2.13: the same in automatic optimization",
+            weight_in_two_dtypes_automatic, None, MIXED_PRECISIONS,
+            Raises((RuntimeError,), r"cache_enabled=False", cause=r"mat1 and mat2") if AUTOCAST_CACHE else NO_ERROR,
+            {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR}, automatic=True,
+        ),
+        Scenario(
+            "device_mismatch_not_rewritten",
+            "12.2.13: a device mismatch worded 'should be the same' keeps its message",
+            device_mismatch_conv, None, MIXED_PRECISIONS,
+            Raises((RuntimeError,), rf"^{re.escape(CONV_DEVICE_MISMATCH)}$", not_match="cache_enabled"),
+            {p: Raises((RuntimeError,), rf"^{re.escape(CONV_DEVICE_MISMATCH)}$") for p in MIXED_PRECISIONS},
+        ),
+        Scenario(
+            "device_mismatch_meta_not_rewritten",
+            "12.2.13: torch's own device-mismatch error keeps its message",
+            device_mismatch_meta, None, MIXED_PRECISIONS,
+            Raises((RuntimeError,), r"^Tensor on device meta is not on the expected device cpu!$"),
+            {p: Raises((RuntimeError,), r"^Tensor on device meta is not on the expected device cpu!$")
+             for p in MIXED_PRECISIONS},
+            automatic=True,
+        ),
+        # ---- manual-optimization patterns of real projects ----------------------------------------------------------
+        Scenario(
+            "gan_d_then_g",
+            "pattern: GAN, D step then G's loss through the updated D, two optimizers",
+            manual_gan, recipe_gan, PRECISIONS, EQUAL,
+            {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL},
+            net=_gan, configure=_gan_adamw,
+        ),
+        Scenario(
+            "accumulate_clip_on_stepping_batches",
+            "pattern: gradient accumulation over 2 batches, clipping only on the stepping batches",
+            accumulate_clip_step, recipe_accumulate_clip, PRECISIONS, EQUAL,
+            {"16-mixed": Differs("parameters differ"), "bf16-mixed": EQUAL, "32": EQUAL},
+        ),
+        Scenario(
+            "closure",
+            "pattern: opt.step(closure) with forward and manual_backward in the closure",
+            manual_closure, recipe_closure, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+        ),
+        Scenario(
+            "two_optimizers_one_backward",
+            "pattern: several optimizers fed by one backward",
+            manual_two_optimizers, recipe_two_optimizers, MIXED_PRECISIONS, EQUAL, _RECIPE_DIFFERS_UNLESS_32,
+            configure=_two_sgd,
+        ),
+        Scenario(
+            "inner_loop_two_steps_per_batch",
+            "pattern: one optimizer stepped twice per training_step (one scale per batch)",
+            manual_multi_step, recipe_multi_step, MIXED_PRECISIONS, EQUAL, _RECIPE_DIFFERS_UNLESS_32,
+        ),
+        Scenario(
+            "automatic_accumulate_and_clip",
+            "pattern: automatic optimization, accumulate_grad_batches=2, gradient_clip_val",
+            auto_loss, recipe_accumulate_clip, PRECISIONS, EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL}, automatic=True,
+            trainer={"accumulate_grad_batches": 2, "gradient_clip_val": CLIP_NORM},
+        ),
+        Scenario(
+            "fused_adamw_clip_manual",
+            "pattern: AdamW(fused=True) with clip_gradients in manual optimization",
+            manual_clip("norm"), recipe_clip("norm"), MIXED_PRECISIONS, EQUAL,
+            {p: Raises((RuntimeError,), r"(?i)fused", unchanged=False) for p in MIXED_PRECISIONS},
+            configure=fused_adamw, records=False,
+        ),
+        Scenario(
+            "fused_adamw_clip_automatic",
+            "pattern: AdamW(fused=True) with gradient_clip_val in automatic optimization",
+            auto_loss, recipe_clip("norm"), MIXED_PRECISIONS, EQUAL,
+            {p: Raises((RuntimeError,), r"(?i)fused", unchanged=False) for p in MIXED_PRECISIONS},
+            configure=fused_adamw, automatic=True, trainer={"gradient_clip_val": CLIP_NORM}, records=False,
+        ),
+    ]
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in _scenarios()}
+CELLS = [cell for s in SCENARIOS.values() for cell in s.cells()]
