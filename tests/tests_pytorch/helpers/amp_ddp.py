@@ -85,7 +85,7 @@ CASES = {
         Case("resume", fused=True, clip=True, epochs=2, resume=True),
     )
 }
-#: the cases also run through the unpatched ``pytorch_lightning`` 2.6.6, as negative controls
+#: the cases also run through the unpatched ``stock_pytorch_lightning`` 2.6.6, as negative controls
 STOCK_CASES = ("manual-clip", "two-optimizers")
 
 

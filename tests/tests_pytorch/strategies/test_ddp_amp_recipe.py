@@ -8,17 +8,17 @@ only), and a resume from a checkpoint. Each rank trains on its half of every glo
 Why ``strategy="ddp"`` and a script: "ddp" is what users run, and Lightning's launcher re-runs the main script as the
 other rank, which a pytest process cannot be. So the test runs ``strategies/scripts/ddp_amp_recipe.py`` once in a
 subprocess; its first ``fit`` launches rank 1 and every later ``Trainer`` of the script joins the same two processes,
-so all cases (and the negative controls through ``pytorch_lightning``) share one process start-up. Both ranks save what
-they recorded; the test checks that they agree, then compares rank 0 with the references (the module docstring of the
-helper explains them):
+so all cases (and the negative controls through ``stock_pytorch_lightning``) share one process start-up. Both ranks
+save what they recorded; the test checks that they agree, then compares rank 0 with the references (the module
+docstring of the helper explains them):
 
 * **bitwise** with the single-process recipe that computes the two halves' gradients separately, sums them in fp32
   and halves them: that is the arithmetic of a two-rank all-reduce, exactly;
 * **within a tolerance** with the single-process recipe on the whole global batch (:func:`global_tolerance` says which
   and why); scale trajectory and skipped steps exactly.
 
-The stock ``pytorch_lightning`` 2.6.6 runs the manual-clipping and two-optimizer cases through the same script and
-fails both comparisons (off by ~1e-2 in the weights: 150 and 37 times the tolerance), so they can fail.
+The stock 2.6.6 (``stock_pytorch_lightning``) runs the manual-clipping and two-optimizer cases through the same script
+and fails both comparisons (off by ~1e-2 in the weights: 150 and 37 times the tolerance), so they can fail.
 """
 
 import math
@@ -180,11 +180,12 @@ def test_resume_is_exact(ddp_runs):
 
 @pytest.mark.parametrize("run", STOCK_CASES)
 def test_stock_ddp_is_caught(ddp_runs, run):
-    """Negative control: the unpatched ``pytorch_lightning`` 2.6.6 under the same DDP script clips scaled gradients
-    (manual clipping) and updates the scale after every step (two optimizers): ~1e-2 off in the weights, which the
-    bitwise comparison rejects and the tolerance too (by a factor of 150 for AdamW, 37 for SGD); no skip signal."""
+    """Negative control: the unpatched 2.6.6 (``stock_pytorch_lightning``) under the same DDP script clips scaled
+    gradients (manual clipping) and updates the scale after every step (two optimizers): ~1e-2 off in the weights,
+    which the bitwise comparison rejects and the tolerance too (by a factor of 150 for AdamW, 37 for SGD); no skip
+    signal."""
     case = CASES[run]
-    stock = ddp_runs("pytorch_lightning", run)
+    stock = ddp_runs("stock_pytorch_lightning", run)
     split, whole = recipe(case, split=True), recipe(case, split=False)
     assert max_abs_diff(stock.params, split.params) > 1e-3  # the bitwise comparison fails by far
     assert max_abs_diff(stock.params, whole.params) > 10 * global_tolerance(case, whole)

@@ -172,10 +172,10 @@ def test_fsdp_precision_keeps_the_users_scaler():
 
 def test_stock_fsdp_precision_refuses_any_scaler():
     """Negative control: upstream 2.6.6 raises for every user-provided scaler (#19803)."""
-    stock = pytest.importorskip("pytorch_lightning.plugins.precision")
-    import pytorch_lightning
+    stock = pytest.importorskip("stock_pytorch_lightning.plugins.precision")
+    import stock_pytorch_lightning
 
-    if pytorch_lightning.__version__ != "2.6.6":
+    if stock_pytorch_lightning.__version__ != "2.6.6":
         pytest.skip("the negative control is about stock 2.6.6")
     with pytest.raises(ValueError, match="does not use a scaler"):
         stock.FSDPPrecision("16-mixed", scaler=_scaler())

@@ -4,7 +4,7 @@ Usage: ``python ddp_amp_recipe.py OUTDIR [--stock]``. The first ``Trainer(strate
 script as rank 1 (Lightning's subprocess launcher); rank 0 keeps going and sets ``LOCAL_RANK`` for itself, so every
 later Trainer of the script joins the same two processes and process group. Both ranks run every case in the same
 order and save what they recorded as ``OUTDIR/<package>-<case>-rank<r>.pt`` (the test compares the two ranks too).
-With ``--stock`` the negative-control cases run afterwards through the unpatched ``pytorch_lightning`` 2.6.6.
+With ``--stock`` the negative-control cases run afterwards through the unpatched ``stock_pytorch_lightning`` 2.6.6.
 """
 
 import os
@@ -35,8 +35,8 @@ def api(package: str):
         import lightning.pytorch as pl
         from lightning.pytorch.plugins.precision import MixedPrecision
     else:
-        import pytorch_lightning as pl
-        from pytorch_lightning.plugins.precision import MixedPrecision
+        import stock_pytorch_lightning as pl
+        from stock_pytorch_lightning.plugins.precision import MixedPrecision
     return pl, MixedPrecision
 
 
@@ -146,7 +146,7 @@ def main() -> None:
         run_case("lightning", case, outdir)
     if "--stock" in sys.argv:
         for name in STOCK_CASES:
-            run_case("pytorch_lightning", CASES[name], outdir)
+            run_case("stock_pytorch_lightning", CASES[name], outdir)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         (outdir / "done").touch()
 
