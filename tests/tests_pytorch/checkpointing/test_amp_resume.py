@@ -38,7 +38,7 @@ How Lightning 2.6.6 resumes the *data* (stock behaviour, not something the fork 
   the global batch index the resume is still bitwise (``test_save_checkpoint_after_fit``); data keyed by epoch or
   ``batch_idx`` would not be. Checkpoints written by ``ModelCheckpoint`` during the run do not have this problem.
 
-Compatibility with stock: a checkpoint saved by the unpatched ``pytorch_lightning`` 2.6.6 (its own ``Trainer`` and
+Compatibility with stock: a checkpoint saved by the unpatched ``stock_pytorch_lightning`` 2.6.6 (its own ``Trainer`` and
 ``LightningModule`` classes) resumes in the fork and vice versa, scaler state included, and both have the same layout.
 """
 
@@ -474,7 +474,7 @@ def test_save_checkpoint_after_fit(first, resumed_at, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# checkpoints of the unpatched pytorch_lightning 2.6.6 and of the fork
+# checkpoints of the unpatched stock_pytorch_lightning 2.6.6 and of the fork
 # ----------------------------------------------------------------------------------------------------------------------
 
 #: no skip before the save point (stock would have moved its scheduler on it), one after it
@@ -486,7 +486,7 @@ COMPAT_SAVE_AFTER = 3  # the growth tracker is 1 there
 def compat_runs(tmp_path_factory):
     """Uninterrupted runs of ``COMPAT`` with per-batch checkpoints, by stock and by the fork."""
     runs = {}
-    for package in ("pytorch_lightning", "lightning"):
+    for package in ("stock_pytorch_lightning", "lightning"):
         dirpath = tmp_path_factory.mktemp(package)
         runs[package] = (fit(package, COMPAT, callbacks=[checkpointing(package, dirpath, COMPAT)]), dirpath)
     return runs
@@ -497,7 +497,7 @@ def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
         package: torch.load(checkpoint_after(dirpath, COMPAT, COMPAT_SAVE_AFTER), weights_only=False)
         for package, (_, dirpath) in compat_runs.items()
     }
-    stock, fork = checkpoints["pytorch_lightning"], checkpoints["lightning"]
+    stock, fork = checkpoints["stock_pytorch_lightning"], checkpoints["lightning"]
     assert stock.keys() == fork.keys()
     assert stock["MixedPrecision"] == fork["MixedPrecision"]
     assert fork["MixedPrecision"]["_growth_tracker"] == 1
@@ -508,7 +508,7 @@ def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
 
 
 @pytest.mark.parametrize(
-    ("saved_by", "resumed_by"), [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")]
+    ("saved_by", "resumed_by"), [("stock_pytorch_lightning", "lightning"), ("lightning", "stock_pytorch_lightning")]
 )
 def test_resume_across_stock_and_fork(saved_by, resumed_by, compat_runs):
     """A checkpoint of one resumes in the other, scaler state included, and continues as the resuming package's own
@@ -535,7 +535,7 @@ def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed = fit("pytorch_lightning", COMPAT, ckpt_path=tmp_path / "fork.ckpt")
+        resumed = fit("stock_pytorch_lightning", COMPAT, ckpt_path=tmp_path / "fork.ckpt")
     assert any("LossScaleMonitor" in str(w.message) for w in caught)
     assert resumed.global_step == TOTAL
     assert resumed.trajectory.scaler_at_start["scale"] == INIT_SCALE * 2  # grown once in 3 clean steps

@@ -279,13 +279,13 @@ def recipe_run(
 
 @functools.lru_cache(maxsize=None)
 def lightning_api(package: str) -> SimpleNamespace:
-    """The classes of the fork (``lightning``) or of the unpatched ``pytorch_lightning`` 2.6.6 (negative controls)."""
+    """The classes of the fork (``lightning``) or of the unpatched ``stock_pytorch_lightning`` 2.6.6 (negative controls)."""
     if package == "lightning":
         import lightning.pytorch as pl
         from lightning.pytorch.plugins.precision import MixedPrecision
-    elif package == "pytorch_lightning":
-        import pytorch_lightning as pl
-        from pytorch_lightning.plugins.precision import MixedPrecision
+    elif package == "stock_pytorch_lightning":
+        import stock_pytorch_lightning as pl
+        from stock_pytorch_lightning.plugins.precision import MixedPrecision
     else:
         raise ValueError(package)
 

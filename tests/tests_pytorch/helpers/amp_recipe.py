@@ -16,7 +16,7 @@ data, the optimizer construction. The orchestration (backward, unscaling, clippi
 written separately on each side, so that a Lightning bug cannot cancel out against the reference.
 
 The Lightning side is built through :func:`lightning_api`, parametrized by the package, so that the very same cells
-can run against the fork (``lightning``) and against the unpatched ``pytorch_lightning`` 2.6.6 (the negative control).
+can run against the fork (``lightning``) and against the unpatched ``stock_pytorch_lightning`` 2.6.6 (the negative control).
 
 Design choices that make bugs unable to hide:
 
@@ -340,7 +340,7 @@ class RecipeRun:
 FORK = "lightning"
 #: the unpatched Lightning 2.6.6, the negative control: the import name of its ``lightning.pytorch`` counterpart. Every
 #: test of this package reaches stock through this constant, so a rename of the stock package is a one-line change.
-STOCK = "pytorch_lightning"
+STOCK = "stock_pytorch_lightning"
 PACKAGES = (FORK, STOCK)
 
 

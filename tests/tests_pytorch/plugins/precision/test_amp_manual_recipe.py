@@ -10,7 +10,7 @@ Besides the matrix (``test_matches_the_pytorch_amp_recipe``):
 * ``test_autocast_off_in_backward_clipping_and_step``: autocast is on in the ``training_step`` body and in a closure's
   forward, off in backward, its hooks, clipping, the optimizer step and every scaler call;
 * ``test_loss_backward_instead_of_manual_backward_raises``: the misuse is loud;
-* the negative control: the unpatched ``pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly those listed
+* the negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly those listed
   in ``STOCK_FAILURES``, in the way recorded there, and pass all others (so the reference agrees with stock wherever
   stock is right, automatic optimization included);
 * self-checks of the reference: the multi-step reference built from torch's AMP primitives is ``GradScaler`` itself for
@@ -503,7 +503,7 @@ def test_loss_backward_instead_of_manual_backward_raises(misuse_at):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# negative control: the unpatched pytorch_lightning 2.6.6 fails these cells
+# negative control: the unpatched stock_pytorch_lightning 2.6.6 fails these cells
 # --------------------------------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ overflow happens on its own in these few batches (the recipe checks that the ski
 The reference is PyTorch's AMP recipe written by hand (:func:`recipe_run`): autocast around forward and loss,
 ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, one ``scaler.update()`` per iteration, and the scheduler
 stepped only when the update did not back off (the scale went down exactly when the step was skipped). Parameters, LR
-trajectory and scale trajectory must be equal bitwise. The unpatched ``pytorch_lightning`` 2.6.6 is the negative
+trajectory and scale trajectory must be equal bitwise. The unpatched ``stock_pytorch_lightning`` 2.6.6 is the negative
 control: it advances the scheduler on skipped steps.
 
 Decisions checked here: ``global_step``, ``max_steps`` and ``ModelCheckpoint(every_n_train_steps=...)`` count
@@ -294,8 +294,8 @@ def test_step_was_skipped_exactly_on_forced_overflows(mode, optimizer):
 
 
 def test_stock_lightning_has_no_skip_signal():
-    """Negative control: the unpatched ``pytorch_lightning`` 2.6.6 offers no way to know."""
-    pl = lightning_api("pytorch_lightning").pl
+    """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 offers no way to know."""
+    pl = lightning_api("stock_pytorch_lightning").pl
     assert not hasattr(pl.core.optimizer.LightningOptimizer, "step_was_skipped")
     assert not hasattr(pl.plugins.precision.Precision, "optimizer_step_was_skipped")
 
@@ -353,10 +353,10 @@ def test_step_scheduler_with_gradient_accumulation():
 
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
 def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
-    """Negative control: the unpatched ``pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or not,
+    """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or not,
     so its LR runs ahead of the weights (and PyTorch warns on the skipped first step)."""
-    module = module_class("pytorch_lightning")("AdamW", scheduler, automatic=True)
-    trainer, record = fit("pytorch_lightning", module)
+    module = module_class("stock_pytorch_lightning")("AdamW", scheduler, automatic=True)
+    trainer, record = fit("stock_pytorch_lightning", module)
     recipe = cached_recipe("AdamW", scheduler)
     assert record.run.scales == recipe.scales  # the same steps were skipped ...
     assert record.run.changed == recipe.changed
