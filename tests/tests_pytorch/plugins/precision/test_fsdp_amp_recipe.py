@@ -10,6 +10,7 @@ The end-to-end check with the FSDP strategy and fp16 autocast runs only where CU
 import os
 import socket
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -71,10 +72,10 @@ def _scaler() -> ShardedGradScaler:
     return ShardedGradScaler(device="cpu", init_scale=INIT_SCALE, growth_interval=1)
 
 
-def _recipe(fused: bool) -> tuple[list[torch.Tensor], list[float]]:
+def _recipe(fused: bool, scaler: Optional[torch.amp.GradScaler] = None) -> tuple[list[torch.Tensor], list[float]]:
     first, second = _nets()
     optimizers = _optimizers(first, second, fused)
-    scaler, scales = _scaler(), []
+    scaler, scales = scaler or _scaler(), []
     for batch_idx, (x, y) in enumerate(_data()):
         for opt in optimizers:
             opt.zero_grad()
@@ -150,16 +151,24 @@ def test_fsdp_precision_follows_the_recipe():
         assert torch.equal(actual, expected)
 
 
-def test_fused_optimizer_with_sharded_scaler_is_refused_before_the_step():
-    """torch's fused kernels cannot read ``ShardedGradScaler``'s 1-element inf checks; the plain recipe fails inside the
-    step, the plugin says why before anything changes."""
+def _plain_scaler() -> torch.amp.GradScaler:
+    # on one process the sharded scaler's all-reduce of the inf checks is the identity: the same arithmetic
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+
+
+def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
+    """torch's fused kernels cannot read ``ShardedGradScaler``'s 1-element inf checks (the plain recipe fails inside
+    the step); the plugin reads them as 0-dim and trains exactly like the recipe with fused optimizers."""
     with pytest.raises(RuntimeError, match="shape"):
         _recipe(fused=True)
+    record = RecordScale()
     model = TwoOptimizersOneBackward(fused=True)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"cannot step with ShardedGradScaler.*fused=False"):
-        _fit(model, RecordScale())
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    _fit(model, record)
+    expected_params, expected_scales = _recipe(fused=True, scaler=_plain_scaler())
+    assert record.scales == expected_scales
+    assert expected_scales[INF_AT] == expected_scales[INF_AT - 1] / 2
+    for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
+        assert torch.equal(actual, expected)
 
 
 def test_fsdp_precision_keeps_the_users_scaler():
@@ -214,7 +223,8 @@ def test_fsdp_strategy_manual_clip_on_cuda():
     assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
 
 
-def test_fabric_fsdp_precision_follows_the_recipe():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_fabric_fsdp_precision_follows_the_recipe(fused):
     """Fabric's ``FSDPPrecision`` shares Fabric's ``MixedPrecision`` recipe: one update per iteration for two optimizers
     fed by one backward, value clipping on unscaled gradients, the inf step skipped."""
     from lightning.fabric import Fabric
@@ -224,7 +234,7 @@ def test_fabric_fsdp_precision_follows_the_recipe():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFSDPPrecision("16-mixed", scaler=_scaler())])
         first, second = _nets()
-        optimizers = _optimizers(first, second, fused=False)
+        optimizers = _optimizers(first, second, fused=fused)
         (first, opt_first), (second, opt_second) = fabric.setup(first, optimizers[0]), fabric.setup(second, optimizers[1])
         scaler, scales = fabric.strategy.precision.scaler, []
         for batch_idx, (x, y) in enumerate(_data()):
@@ -237,7 +247,7 @@ def test_fabric_fsdp_precision_follows_the_recipe():
             opt_second.step()
             assert opt_first.step_was_skipped == opt_second.step_was_skipped == (batch_idx == INF_AT)
             scales.append(fabric.strategy.precision.state_dict()["scale"])  # applies the iteration's update
-    expected_params, expected_scales = _recipe(fused=False)
+    expected_params, expected_scales = _recipe(fused=fused, scaler=_plain_scaler() if fused else None)
     assert scales == expected_scales
     params = [p.detach() for p in (*first.parameters(), *second.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(params, expected_params))

@@ -677,9 +677,13 @@ class _ScalerRecipeHolder:
     scaler: Optional[Any]
 
     def _init_amp_recipe(self) -> None:
-        _check_scaler_is_enabled(self.scaler, f"`{type(self).__name__}`")
         self._scaler_recipe: Optional[GradScalerRecipe] = None
         self._optimizer_wrappers: weakref.WeakSet = weakref.WeakSet()
+
+    def _check_scaler(self) -> None:
+        """Before training: refuse a scaler torch disabled (constructing the plugin on a machine without the scaler's
+        device is fine, training with it is not)."""
+        _check_scaler_is_enabled(self.scaler, f"`{type(self).__name__}`")
 
     @property
     def _recipe(self) -> GradScalerRecipe:
@@ -727,6 +731,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
             return super().backward(tensor, model, *args, **kwargs)
+        if self._scaler_recipe is None:  # the first backward: nothing has changed yet
+            self._check_scaler()
         tensor = self._recipe.scale(tensor, self._known_optimizers)
         with self._recipe.backward():
             super().backward(tensor, model, *args, **kwargs)

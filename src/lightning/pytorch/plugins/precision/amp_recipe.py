@@ -68,6 +68,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
+        self._check_scaler()
         module = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
         manual = module is not None and not module.automatic_optimization
         if self._cache_follows_optimization_mode:

@@ -1,0 +1,254 @@
+"""The transitions of ``GradScalerRecipe``, the one state machine that both packages' plugins drive.
+
+Each test takes one transition (or one illegal one) on a twin of PyTorch's recipe: the same tiny model, the same data,
+power-of-two scales, ``growth_interval=1``, injected infs, and compares parameters and scales bitwise.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning.fabric.plugins.precision.amp_recipe import (
+    GradientStage,
+    GradScalerRecipe,
+    IterationPhase,
+    _check_scaler_is_enabled,
+)
+from tests_fabric.helpers.torch_features import requires_cpu_grad_scaler
+
+pytestmark = requires_cpu_grad_scaler
+
+X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
+
+
+def _scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+
+
+def _twins() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    twin = copy.deepcopy(net)
+    return net, torch.optim.SGD(net.parameters(), lr=0.1), twin, torch.optim.SGD(twin.parameters(), lr=0.1)
+
+
+def _loss(net: nn.Module, inf: bool = False) -> torch.Tensor:
+    loss = nn.functional.mse_loss(net(X), Y)
+    return loss * float("inf") if inf else loss
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_one_iteration_equals_the_recipe():
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    for inf in (False, True, False):
+        recipe.iteration_start()
+        assert recipe.phase is IterationPhase.INSIDE
+        with recipe.backward():
+            recipe.scale(_loss(net, inf)).backward()
+        recipe.unscale(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+        recipe.step(opt)
+        assert recipe.step_was_skipped(opt) is inf
+        recipe.iteration_end()
+        opt.zero_grad()
+
+        scaler.scale(_loss(twin, inf)).backward()
+        scaler.unscale_(twin_opt)
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
+        scaler.step(twin_opt)
+        scaler.update()
+        twin_opt.zero_grad()
+        assert recipe.scaler.get_scale() == scaler.get_scale()
+    assert _same(net, twin)
+    assert int(recipe.skipped_steps) == 1
+
+
+def test_unscale_is_idempotent_and_reads_the_users_own_unscale():
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.scale(_loss(net)).backward()
+    recipe.scaler.unscale_(opt)  # the user, following torch's recipe
+    recipe.unscale(opt)  # clipping: not a second unscale
+    recipe.step(opt)
+    recipe.iteration_end()
+    scaler.scale(_loss(twin)).backward()
+    scaler.unscale_(twin_opt)
+    scaler.step(twin_opt)
+    scaler.update()
+    assert _same(net, twin)
+
+
+def test_unscaled_without_step_then_backward_raises():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.scale(_loss(net)).backward()
+    recipe.unscale(opt)
+    with pytest.raises(RuntimeError, match="unscaled .* but the optimizer did not step"):
+        recipe.scale(_loss(net), optimizers=lambda: [opt])
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_unscaled_then_cleared_is_not_live(set_to_none):
+    """``zero_grad(set_to_none=False)`` leaves zeros: not live gradients, so no false error."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.scale(_loss(net)).backward()
+    recipe.unscale(opt)
+    opt.zero_grad(set_to_none=set_to_none)
+    recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
+    assert recipe._record(opt).stage is GradientStage.READY
+
+
+def test_an_inf_check_without_a_step_still_backs_the_scale_off():
+    """A guard that clips, sees non-finite gradients and does not step: the recipe's update still runs."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.iteration_start()
+    recipe.scale(_loss(net, inf=True)).backward()
+    recipe.unscale(opt)
+    opt.zero_grad()
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**9
+
+
+def test_no_update_without_an_inf_check():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.iteration_start()
+    recipe.scale(_loss(net)).backward()  # accumulation: no unscale, no step
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**10
+    assert recipe.updates == 0
+
+
+def test_state_dict_inside_an_iteration_leaves_the_live_run_alone():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.iteration_start()
+    recipe.scale(_loss(net, inf=True)).backward()
+    recipe.step(opt)
+    assert recipe.state_dict()["scale"] == 2.0**10  # the iteration's own scale
+    assert recipe.updates == 0
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**9
+
+
+def test_state_dict_outside_an_iteration_settles_the_owed_update():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.scale(_loss(net, inf=True)).backward()
+    recipe.step(opt)  # outside any iteration: Fabric, or a step in `on_train_epoch_end`
+    assert recipe.state_dict()["scale"] == 2.0**9
+
+
+def test_a_step_outside_an_iteration_is_settled_when_the_next_one_starts():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.iteration_start()
+    recipe.scale(_loss(net, inf=True)).backward()
+    recipe.iteration_end()
+    recipe.step(opt)  # e.g. `on_train_epoch_end`
+    recipe.iteration_start()
+    assert recipe.scaler.get_scale() == 2.0**9  # before the next loss is scaled
+
+
+def test_a_step_without_gradients_is_a_plain_step():
+    """torch's scaler fails with a bare "No inf checks were recorded"; there is nothing to step on, nothing to skip."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    before = copy.deepcopy(net)
+    recipe.step(opt)
+    assert not recipe.step_was_skipped(opt)
+    recipe.iteration_end()
+    assert _same(net, before)
+    scaler = _scaler()
+    scaler.scale(torch.ones(()))
+    with pytest.raises(AssertionError, match="No inf checks"):
+        scaler.step(opt)
+
+
+def test_watch_flags_a_plain_backward_at_the_step():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt])
+    before = copy.deepcopy(net)
+    _loss(net).backward()
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        recipe.step(opt)
+    assert _same(net, before)
+    recipe.unwatch()
+
+
+def test_watch_flags_a_plain_backward_before_a_scaled_one():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt])
+    _loss(net).backward()
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        with recipe.backward():
+            recipe.scale(_loss(net)).backward()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_watch_forgets_a_plain_backward_whose_gradients_were_cleared(set_to_none):
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.watch_unscaled_backward([opt])
+    _loss(net).backward()  # e.g. to log gradient norms in fp32
+    opt.zero_grad(set_to_none=set_to_none)
+    with recipe.backward():
+        recipe.scale(_loss(net)).backward()
+    recipe.step(opt)
+    scaler.scale(_loss(twin)).backward()
+    scaler.step(twin_opt)
+    assert _same(net, twin)
+
+
+def test_watch_does_not_flag_assigned_gradients():
+    """Gradient surgery: ``autograd.grad`` of the scaled loss, assigned to ``.grad``; not an accumulation."""
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.watch_unscaled_backward([opt])
+    grads = torch.autograd.grad(recipe.scaler.scale(_loss(net)), list(net.parameters()))
+    for p, g in zip(net.parameters(), grads):
+        p.grad = g
+    recipe.step(opt)
+    scaler.scale(_loss(twin)).backward()
+    scaler.step(twin_opt)
+    assert _same(net, twin)
+
+
+def test_watch_refuses_a_raw_step_on_scaled_gradients_and_allows_the_users_scaler_step():
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.watch_unscaled_backward([opt])
+    with recipe.backward():
+        recipe.scale(_loss(net)).backward()
+    before = copy.deepcopy(net)
+    with pytest.raises(RuntimeError, match="raw optimizer"):
+        opt.step()
+    assert _same(net, before)
+    recipe.scaler.step(opt)  # the user drives the scaler: allowed
+    scaler.scale(_loss(twin)).backward()
+    scaler.step(twin_opt)
+    assert _same(net, twin)
+    recipe.unwatch()
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_disabled_scaler_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"enabled=False.*bf16-mixed"):
+        _check_scaler_is_enabled(torch.amp.GradScaler("cpu", enabled=False), "`MixedPrecision`")
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning):
+            cuda_scaler = torch.amp.GradScaler("cuda")
+        with pytest.raises(ValueError, match=r"CUDA is not available.*GradScaler\('cpu'\)"):
+            _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")
+    _check_scaler_is_enabled(_scaler(), "`MixedPrecision`")
+    _check_scaler_is_enabled(None, "`MixedPrecision`")
