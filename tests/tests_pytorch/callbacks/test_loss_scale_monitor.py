@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, make_batches, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, Positions, make_batches, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 INIT_SCALE = 2.0**4
 FORCED = (0, 3, 4)
@@ -37,7 +38,7 @@ def _quiet():
 
 
 def new_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+    return _new_scaler(init_scale=INIT_SCALE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,16 +68,6 @@ def recipe(forced=FORCED, optimizers: int = 1) -> tuple[list[float], list[int]]:
         skipped.append(total)
     assert skipped[-1] == optimizers * len(forced)  # the recipe is sharp: exactly the forced steps were skipped
     return scales, skipped
-
-
-class Positions:
-    """Yields each batch's position in the epoch; the data itself comes from ``make_batches()[batch_idx]``."""
-
-    def __iter__(self):
-        return iter(torch.tensor([i]) for i in range(N_BATCHES))
-
-    def __len__(self) -> int:
-        return N_BATCHES
 
 
 class Model(LightningModule):

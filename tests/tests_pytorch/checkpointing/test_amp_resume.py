@@ -52,7 +52,8 @@ from unittest import mock
 import pytest
 import torch
 
-from tests_pytorch.helpers.amp_recipe import lightning_api, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 BATCHES_PER_EPOCH = 4
 TOTAL = 10  # 2.5 epochs
@@ -78,23 +79,13 @@ def _quiet():
 
 
 def new_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    return _new_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
 def batch_for(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The data of global batch ``index``: a deterministic function of the index alone."""
     gen = torch.Generator().manual_seed(10_000 + index)
     return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-
-
-class Positions:
-    """A non-resumable loader: yields each batch's position in the epoch."""
-
-    def __iter__(self):
-        return iter(torch.tensor([i]) for i in range(BATCHES_PER_EPOCH))
-
-    def __len__(self) -> int:
-        return BATCHES_PER_EPOCH
 
 
 class UnsizedResumableBatches:
@@ -288,7 +279,8 @@ def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **k
     record = recorder_class(package)()
     trainer = make_trainer(package, case, callbacks=[record, *callbacks], **kwargs)
     model = module_class(package)(case)
-    loader = loader if loader is not None else (ResumableBatches() if case.loader_data else Positions())
+    if loader is None:
+        loader = ResumableBatches() if case.loader_data else Positions(BATCHES_PER_EPOCH)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
     return End(
         params={n: p.detach().clone() for n, p in model.named_parameters()},
@@ -461,7 +453,7 @@ def test_save_checkpoint_after_fit(first, resumed_at, tmp_path):
     reference = fit("lightning", case)
     record = recorder_class("lightning")()
     trainer = make_trainer("lightning", case, callbacks=[record], **first)
-    trainer.fit(module_class("lightning")(case), train_dataloaders=Positions())
+    trainer.fit(module_class("lightning")(case), train_dataloaders=Positions(BATCHES_PER_EPOCH))
     trainer.save_checkpoint(tmp_path / "first.ckpt")
     done = len(record.trajectory.index)
     assert done == (BATCHES_PER_EPOCH if first["max_steps"] == -1 else first["max_steps"])
@@ -486,7 +478,7 @@ COMPAT_SAVE_AFTER = 3  # the growth tracker is 1 there
 def compat_runs(tmp_path_factory):
     """Uninterrupted runs of ``COMPAT`` with per-batch checkpoints, by stock and by the fork."""
     runs = {}
-    for package in ("stock_pytorch_lightning", "lightning"):
+    for package in (STOCK, FORK):
         dirpath = tmp_path_factory.mktemp(package)
         runs[package] = (fit(package, COMPAT, callbacks=[checkpointing(package, dirpath, COMPAT)]), dirpath)
     return runs
@@ -497,7 +489,7 @@ def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
         package: torch.load(checkpoint_after(dirpath, COMPAT, COMPAT_SAVE_AFTER), weights_only=False)
         for package, (_, dirpath) in compat_runs.items()
     }
-    stock, fork = checkpoints["stock_pytorch_lightning"], checkpoints["lightning"]
+    stock, fork = checkpoints[STOCK], checkpoints[FORK]
     assert stock.keys() == fork.keys()
     assert stock["MixedPrecision"] == fork["MixedPrecision"]
     assert fork["MixedPrecision"]["_growth_tracker"] == 1
@@ -508,7 +500,7 @@ def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
 
 
 @pytest.mark.parametrize(
-    ("saved_by", "resumed_by"), [("stock_pytorch_lightning", "lightning"), ("lightning", "stock_pytorch_lightning")]
+    ("saved_by", "resumed_by"), [(STOCK, FORK), (FORK, STOCK)]
 )
 def test_resume_across_stock_and_fork(saved_by, resumed_by, compat_runs):
     """A checkpoint of one resumes in the other, scaler state included, and continues as the resuming package's own
@@ -529,13 +521,13 @@ def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
     fork = make_trainer(
         "lightning", COMPAT, max_steps=COMPAT_SAVE_AFTER, logger=CSVLogger(tmp_path), callbacks=[LossScaleMonitor()]
     )
-    fork.fit(module_class("lightning")(COMPAT), train_dataloaders=Positions())
+    fork.fit(module_class("lightning")(COMPAT), train_dataloaders=Positions(BATCHES_PER_EPOCH))
     fork.save_checkpoint(tmp_path / "fork.ckpt")
     assert "LossScaleMonitor" in torch.load(tmp_path / "fork.ckpt", weights_only=False)["callbacks"]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed = fit("stock_pytorch_lightning", COMPAT, ckpt_path=tmp_path / "fork.ckpt")
+        resumed = fit(STOCK, COMPAT, ckpt_path=tmp_path / "fork.ckpt")
     assert any("LossScaleMonitor" in str(w.message) for w in caught)
     assert resumed.global_step == TOTAL
     assert resumed.trajectory.scaler_at_start["scale"] == INIT_SCALE * 2  # grown once in 3 clean steps

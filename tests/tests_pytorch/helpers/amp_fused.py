@@ -29,6 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, mlp, new_scaler, optimizer_params
+from tests_pytorch.helpers.amp_recipe import lightning_api as shared_lightning_api
+from tests_pytorch.helpers.amp_recipe import make_batches as shared_make_batches
+from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
+
 OPTIMIZERS = ("Adam", "AdamW", "SGD-momentum", "SGD", "Adagrad")
 PRECISIONS = ("16-mixed", "bf16-mixed")
 CLIPS = ("none", "norm", "value")
@@ -58,8 +63,6 @@ def default_inf_batch(precision: str) -> Optional[int]:
     return INF_BATCH if uses_scaler(precision) else None
 
 
-def new_scaler(init_scale: float = INIT_SCALE, enabled: bool = True) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1, enabled=enabled)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -67,23 +70,10 @@ def new_scaler(init_scale: float = INIT_SCALE, enabled: bool = True) -> torch.am
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def make_net() -> nn.Sequential:
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
-
-
-@functools.lru_cache(maxsize=1)
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(2024)
-    return (
-        torch.randn(N_BATCHES, BATCH_SIZE, IN_FEATURES, generator=gen),
-        torch.randn(N_BATCHES, BATCH_SIZE, OUT_FEATURES, generator=gen),
-    )
-
-
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = _data()
-    return [(x[i].clone(), y[i].clone()) for i in range(N_BATCHES)]
+#: the shared MLP (``amp_recipe.mlp``) with this module's seed
+make_net = functools.partial(mlp, seed=7)
+#: the shared data builder with this module's batch count and seed
+make_batches = functools.partial(shared_make_batches, n_batches=N_BATCHES, seed=2024)
 
 
 def loss_fn(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_idx: int, inf_at: Optional[int]) -> torch.Tensor:
@@ -130,11 +120,6 @@ def make_optimizer(name: str, params: Any, fused: bool) -> torch.optim.Optimizer
         assert not fused
         return SelfUnscalingSGD(params, lr=0.1, momentum=0.9, foreach=False)
     raise ValueError(name)
-
-
-def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters in ``param_groups`` order, the order Lightning clips them in."""
-    return [p for group in opt.param_groups for p in group["params"]]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -239,7 +224,7 @@ def recipe_run(
     inf_at = default_inf_batch(precision) if inf_at == "default" else inf_at
     net = make_net()
     opt = make_optimizer(optimizer, net.parameters(), fused)
-    scaler = new_scaler(init_scale, enabled=uses_scaler(precision))
+    scaler = new_scaler(init_scale=init_scale, enabled=uses_scaler(precision))
     watcher = _BatchWatcher(net, opt, scaler.get_scale if uses_scaler(precision) else (lambda: None))
     grads: list[dict[str, torch.Tensor]] = []
     clip_seen: list[float] = []
@@ -279,15 +264,9 @@ def recipe_run(
 
 @functools.lru_cache(maxsize=None)
 def lightning_api(package: str) -> SimpleNamespace:
-    """The classes of the fork (``lightning``) or of the unpatched ``stock_pytorch_lightning`` 2.6.6 (negative controls)."""
-    if package == "lightning":
-        import lightning.pytorch as pl
-        from lightning.pytorch.plugins.precision import MixedPrecision
-    elif package == "stock_pytorch_lightning":
-        import stock_pytorch_lightning as pl
-        from stock_pytorch_lightning.plugins.precision import MixedPrecision
-    else:
-        raise ValueError(package)
+    """The classes of the fork (:data:`FORK`) or of the unpatched 2.6.6 (:data:`STOCK`, the negative controls)."""
+    shared = shared_lightning_api(package)
+    pl, MixedPrecision = shared.pl, shared.MixedPrecision
 
     class FusedModule(pl.LightningModule):
         def __init__(self, optimizer: str, fused: bool, clip: str, mode: str, inf_at: Optional[int]) -> None:
@@ -338,26 +317,12 @@ def lightning_api(package: str) -> SimpleNamespace:
             self.watcher.after()
 
     def make_trainer(precision: str, clip: str, mode: str, init_scale: float = INIT_SCALE, callbacks=()):
-        kwargs: dict[str, Any] = {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_epochs": 1,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "num_sanity_val_steps": 0,
-            "callbacks": list(callbacks),
-        }
-        if precision == "16-mixed":
-            # `precision="16-mixed"` alone silently becomes bf16 on CPU: pass the plugin with a CPU scaler
-            kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=new_scaler(init_scale))]
-        else:
-            kwargs["precision"] = precision
+        kwargs: dict[str, Any] = {}
         if mode == "automatic" and clip != "none":
             kwargs["gradient_clip_val"] = CLIP_NORM if clip == "norm" else CLIP_VALUE
             kwargs["gradient_clip_algorithm"] = clip
-        return pl.Trainer(**kwargs)
+        scaler = new_scaler(init_scale=init_scale) if uses_scaler(precision) else None
+        return shared_make_trainer(shared, precision, scaler=scaler, callbacks=callbacks, **kwargs)
 
     return SimpleNamespace(
         pl=pl, MixedPrecision=MixedPrecision, FusedModule=FusedModule, Watcher=Watcher, make_trainer=make_trainer
@@ -373,7 +338,7 @@ def lightning_run(
     inf_at: Any = "default",
     init_scale: float = INIT_SCALE,
     callbacks: tuple = (),
-    package: str = "lightning",
+    package: str = FORK,
 ) -> Run:
     inf_at = default_inf_batch(precision) if inf_at == "default" else inf_at
     api = lightning_api(package)

@@ -94,8 +94,11 @@ def inject_inf(loss: torch.Tensor, batch_idx: int, at: Optional[int]) -> torch.T
     return loss * float("inf") if batch_idx == at else loss
 
 
-def new_scaler(cls: type = torch.amp.GradScaler, enabled: bool = True) -> torch.amp.GradScaler:
-    return cls("cpu", init_scale=INIT_SCALE, growth_interval=1, enabled=enabled)
+def new_scaler(
+    cls: type = torch.amp.GradScaler, enabled: bool = True, init_scale: float = INIT_SCALE, growth_interval: int = 1
+) -> torch.amp.GradScaler:
+    """The CPU ``GradScaler`` of every test: a power-of-two ``init_scale`` and, by default, ``growth_interval=1``."""
+    return cls("cpu", init_scale=init_scale, growth_interval=growth_interval, enabled=enabled)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -103,18 +106,36 @@ def new_scaler(cls: type = torch.amp.GradScaler, enabled: bool = True) -> torch.
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(N_BATCHES, BATCH_SIZE, IN_FEATURES, generator=gen)
-    y = torch.randn(N_BATCHES, BATCH_SIZE, OUT_FEATURES, generator=gen)
+@functools.lru_cache(maxsize=None)
+def _data(n_batches: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches, batch_size, IN_FEATURES, generator=gen)
+    y = torch.randn(n_batches, batch_size, OUT_FEATURES, generator=gen)
     return x, y
 
 
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fresh copies of the fixed batches ``(x [4, 8], y [4, 4])``; ``y`` doubles as the generator's noise in the GAN."""
-    x, y = _data()
-    return [(x[i].clone(), y[i].clone()) for i in range(N_BATCHES)]
+def make_batches(
+    n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fresh copies of fixed random batches ``(x [batch_size, 8], y [batch_size, 4])``, the same for the same
+    arguments; ``y`` doubles as the generator's noise in the GAN."""
+    x, y = _data(n_batches, batch_size, seed)
+    return [(x[i].clone(), y[i].clone()) for i in range(n_batches)]
+
+
+class Positions:
+    """A loader that yields only each batch's position in the epoch (``tensor([i])``); the data come from a function
+    of ``batch_idx``, so that a run resumed mid-epoch (Lightning restarts a non-resumable loader while ``batch_idx``
+    continues) trains on the batches the uninterrupted run trains on."""
+
+    def __init__(self, n: int = N_BATCHES) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
 
 
 class Batches:

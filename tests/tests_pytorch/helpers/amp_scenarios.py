@@ -54,6 +54,7 @@ from tests_pytorch.helpers.amp_recipe import (
     N_BATCHES,
     OUT_FEATURES,
     PRECISIONS,
+    Positions,
     STOCK,
     RecipeRun,
     RunResult,
@@ -258,7 +259,8 @@ class ScenarioRecipe(RecipeRun):
     def __init__(self, net: nn.Module, precision: str, scenario: Scenario) -> None:
         super().__init__(net, precision)
         self.cache = recipe_autocast_cache(scenario)
-        self.scaler._init_scale = scenario.init_scale
+        self.scaler = new_scaler(enabled=self.scaler.is_enabled(), init_scale=scenario.init_scale)
+        self.get_scale = self.scaler.get_scale
         self.stop = scenario.batches
         self.save_at = scenario.save_at
         self.record_batches = scenario.resume is not None
@@ -308,19 +310,6 @@ def recipe_outcome(name: str, precision: str) -> RunResult:
         opt.load_state_dict(state)
     scenario.recipe(rc, opts)
     return rc.result()
-
-
-class Positions:
-    """Yields each batch's position; the data come from ``make_batches()[batch_idx]``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        return iter(torch.tensor([i]) for i in range(self.n))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 @functools.lru_cache(maxsize=None)
@@ -432,9 +421,7 @@ def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
     try:
         scaler = None
         if precision == "16-mixed":
-            scaler = scenario.scaler() if scenario.scaler is not None else new_scaler()
-            if scenario.scaler is None:
-                scaler._init_scale = scenario.init_scale
+            scaler = scenario.scaler() if scenario.scaler is not None else new_scaler(init_scale=scenario.init_scale)
         trainer = make_trainer(api, precision, scaler=scaler, callbacks=[recorder, *callbacks], **trainer_kwargs)
         trainer.fit(module, train_dataloaders=Positions(scenario.batches), ckpt_path=ckpt_path)
     except Exception as err:  # the outcome is judged by the test

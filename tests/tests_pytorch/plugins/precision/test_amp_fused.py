@@ -24,6 +24,7 @@ from tests_pytorch.helpers.amp_fused import (
     MODES,
     OPTIMIZERS,
     PRECISIONS,
+    STOCK,
     Tolerance,
     assert_grads_match,
     assert_params_match,
@@ -255,13 +256,13 @@ def test_stock_lightning_refuses_to_clip_fused_optimizers(precision, mode):
     """Stock 2.6.6 raises when a fused optimizer is clipped, even under bf16-mixed where there is no scaler at all;
     the fork's matrix above clips them (bf16-mixed and 16-mixed cells with ``clip != 'none'``)."""
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
-        lightning_run("Adam", True, precision, "norm", mode, package="stock_pytorch_lightning")
+        lightning_run("Adam", True, precision, "norm", mode, package=STOCK)
 
 
 def test_stock_lightning_hook_sees_scaled_gradients_of_fused_optimizers():
     """Stock 2.6.6 does not unscale fused optimizers before ``on_before_optimizer_step``: the hook sees gradients
     multiplied by the loss scale, and the matrix's gradient check would catch it."""
-    stock = lightning_run("Adam", True, "16-mixed", "none", "automatic", package="stock_pytorch_lightning")
+    stock = lightning_run("Adam", True, "16-mixed", "none", "automatic", package=STOCK)
     recipe = cached_recipe_run("Adam", True, "16-mixed", "none", "automatic")
     with pytest.raises(AssertionError, match="gradient of .* seen at step 0 differs"):
         assert_grads_match(stock, recipe, BITWISE)

@@ -32,12 +32,14 @@ from torch.optim.lr_scheduler import LambdaLR, StepLR
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     N_BATCHES,
+    STOCK,
     Batches,
     lightning_api,
     make_batches,
     mlp,
     mlp_loss,
 )
+from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 #: a small power of two: 8 batches of doubling stay far from fp16's range, so only forced overflows skip a step
 INIT_SCALE = 2.0**4
@@ -68,7 +70,7 @@ def _quiet():
 
 
 def new_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+    return _new_scaler(init_scale=INIT_SCALE)
 
 
 @dataclass
@@ -295,7 +297,7 @@ def test_step_was_skipped_exactly_on_forced_overflows(mode, optimizer):
 
 def test_stock_lightning_has_no_skip_signal():
     """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 offers no way to know."""
-    pl = lightning_api("stock_pytorch_lightning").pl
+    pl = lightning_api(STOCK).pl
     assert not hasattr(pl.core.optimizer.LightningOptimizer, "step_was_skipped")
     assert not hasattr(pl.plugins.precision.Precision, "optimizer_step_was_skipped")
 
@@ -355,8 +357,8 @@ def test_step_scheduler_with_gradient_accumulation():
 def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
     """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or not,
     so its LR runs ahead of the weights (and PyTorch warns on the skipped first step)."""
-    module = module_class("stock_pytorch_lightning")("AdamW", scheduler, automatic=True)
-    trainer, record = fit("stock_pytorch_lightning", module)
+    module = module_class(STOCK)("AdamW", scheduler, automatic=True)
+    trainer, record = fit(STOCK, module)
     recipe = cached_recipe("AdamW", scheduler)
     assert record.run.scales == recipe.scales  # the same steps were skipped ...
     assert record.run.changed == recipe.changed
