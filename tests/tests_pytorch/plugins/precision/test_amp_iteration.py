@@ -36,7 +36,7 @@ class RecordScale(Callback):
 
     def on_train_batch_end(self, trainer, *_):
         self.scales.append(trainer.precision_plugin.scaler.get_scale())
-        self.pending.append(trainer.precision_plugin._recipe.update_pending)
+        self.pending.append(trainer.precision_plugin._recipe.update_owed)
 
 
 def _plugin() -> MixedPrecision:
@@ -76,9 +76,9 @@ def test_state_dict_applies_a_pending_update():
     optimizer = torch.optim.SGD([param], lr=0.1)
     plugin._recipe.scale(param.sum()).backward()
     plugin._recipe.step(optimizer)
-    assert plugin._recipe.update_pending
+    assert plugin._recipe.update_owed
     assert plugin.state_dict()["scale"] == 2.0**5  # the iteration's update happened before saving
-    assert not plugin._recipe.update_pending
+    assert not plugin._recipe.update_owed
     plugin.training_iteration_end()  # nothing left to apply: no second update
     assert plugin.scaler.get_scale() == 2.0**5
 

@@ -582,6 +582,11 @@ class GradScalerRecipe:
             record.stage = GradientStage.READY
 
     @property
+    def update_owed(self) -> bool:
+        """Whether inf checks were recorded since the last ``scaler.update()``: the iteration's update is still due."""
+        return self._torch.has_inf_checks()
+
+    @property
     def updates(self) -> int:
         """How many ``scaler.update()`` calls this recipe applied."""
         return self._updates
