@@ -22,13 +22,16 @@ ranks a case says.
 """
 
 import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tests_pytorch.helpers.amp_fused import make_optimizer
+from tests_pytorch.helpers.amp_recipe import make_batches, mlp
+from tests_pytorch.helpers.amp_recipe import new_scaler as shared_new_scaler
 
 WORLD_SIZE = 2
 N_BATCHES = 6
@@ -90,22 +93,11 @@ STOCK_CASES = ("manual-clip", "two-optimizers")
 
 
 def make_net(seed: int = 11) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
-
-
-@functools.lru_cache(maxsize=1)
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(77)
-    return (
-        torch.randn(N_BATCHES, GLOBAL_BATCH, IN_FEATURES, generator=gen),
-        torch.randn(N_BATCHES, GLOBAL_BATCH, OUT_FEATURES, generator=gen),
-    )
+    return mlp(seed)
 
 
 def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = _data()
-    return [(x[i].clone(), y[i].clone()) for i in range(N_BATCHES)]
+    return make_batches(N_BATCHES, GLOBAL_BATCH, seed=77)
 
 
 def local_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,23 +118,14 @@ class RankBatches:
         return N_BATCHES
 
 
-def make_optimizer(name: str, params: Any, fused: bool) -> torch.optim.Optimizer:
-    impl = {"fused": True} if fused else {"fused": False, "foreach": False}
-    if name == "AdamW":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **impl)
-    if name == "SGD-momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, **impl)
-    raise ValueError(name)
-
-
 def make_optimizers(case: Case, net: nn.Sequential) -> list[torch.optim.Optimizer]:
     if case.two_optimizers:
         return [make_optimizer(case.optimizer, net[i].parameters(), case.fused) for i in (0, 2)]
     return [make_optimizer(case.optimizer, net.parameters(), case.fused)]
 
 
-def new_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+def new_scaler(enabled: bool = True) -> torch.amp.GradScaler:
+    return shared_new_scaler(init_scale=INIT_SCALE, enabled=enabled)
 
 
 def autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -166,7 +149,7 @@ def recipe_run(case: Case, split: bool) -> Result:
     averages them."""
     net = make_net()
     opts = make_optimizers(case, net)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1, enabled=case.uses_scaler)
+    scaler = new_scaler(enabled=case.uses_scaler)
     scales: Optional[list[float]] = [] if case.uses_scaler else None
     skipped = []
     for _ in range(case.epochs):

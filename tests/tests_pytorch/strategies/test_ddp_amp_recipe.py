@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from tests_pytorch.helpers.amp_ddp import CASES, CLIP_NORM, INIT_SCALE, STOCK_CASES, Case, Result, recipe_run
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_amp_recipe.py"
 #: the script takes ~15 s on 2 cores (process start-up dominates); this is the limit for a stuck collective
@@ -133,7 +134,7 @@ def global_tolerance(case: Case, expected: Result) -> float:
 @pytest.mark.parametrize("run", RUNS)
 def test_ranks_agree(ddp_runs, run):
     """DDP keeps the replicas in sync: both ranks end with the same weights, scales and skip signals."""
-    assert_bitwise(ddp_runs("lightning", run, rank=1), ddp_runs("lightning", run, rank=0))
+    assert_bitwise(ddp_runs(FORK, run, rank=1), ddp_runs(FORK, run, rank=0))
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -141,7 +142,7 @@ def test_ddp_equals_the_split_recipe_bitwise(ddp_runs, run):
     """Bitwise equal to the recipe that sums the two halves' gradients as the all-reduce does, skipped steps and scale
     trajectory included."""
     expected = recipe(_case(run), split=True)
-    assert_bitwise(ddp_runs("lightning", run), expected)
+    assert_bitwise(ddp_runs(FORK, run), expected)
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -150,7 +151,7 @@ def test_ddp_matches_the_global_batch_recipe(ddp_runs, run):
     :func:`global_tolerance`."""
     case = _case(run)
     expected = recipe(case, split=False)
-    actual = ddp_runs("lightning", run)
+    actual = ddp_runs(FORK, run)
     assert actual.scales == expected.scales
     assert actual.skipped == expected.skipped
     diff, tol = max_abs_diff(actual.params, expected.params), global_tolerance(case, expected)
@@ -161,7 +162,7 @@ def test_skipped_steps(ddp_runs):
     """``step_was_skipped`` is True exactly on the batches with an inf (on both ranks, or on rank 1 only: the
     all-reduce spreads it), the first step included; the scale halves there and doubles elsewhere."""
     case = CASES["skips"]
-    actual = ddp_runs("lightning", "skips")
+    actual = ddp_runs(FORK, "skips")
     inf_batches = {batch for batch, _ in case.inf}
     assert actual.skipped == [(i in inf_batches,) for i in range(len(actual.skipped))]
     trajectory = [INIT_SCALE, *actual.scales]
@@ -173,9 +174,9 @@ def test_skipped_steps(ddp_runs):
 def test_resume_is_exact(ddp_runs):
     """Interrupted after the first epoch, resumed from the checkpoint by a fresh Trainer into a network with other
     weights: bitwise the uninterrupted DDP run (and the split recipe, above)."""
-    assert_bitwise(ddp_runs("lightning", "resume-resumed"), ddp_runs("lightning", "resume"))
+    assert_bitwise(ddp_runs(FORK, "resume-resumed"), ddp_runs(FORK, "resume"))
     for rank in (0, 1):
-        assert_bitwise(ddp_runs("lightning", "resume-resumed", rank), ddp_runs("lightning", "resume", rank))
+        assert_bitwise(ddp_runs(FORK, "resume-resumed", rank), ddp_runs(FORK, "resume", rank))
 
 
 @pytest.mark.parametrize("run", STOCK_CASES)
@@ -185,7 +186,7 @@ def test_stock_ddp_is_caught(ddp_runs, run):
     which the bitwise comparison rejects and the tolerance too (by a factor of 150 for AdamW, 37 for SGD); no skip
     signal."""
     case = CASES[run]
-    stock = ddp_runs("stock_pytorch_lightning", run)
+    stock = ddp_runs(STOCK, run)
     split, whole = recipe(case, split=True), recipe(case, split=False)
     assert max_abs_diff(stock.params, split.params) > 1e-3  # the bitwise comparison fails by far
     assert max_abs_diff(stock.params, whole.params) > 10 * global_tolerance(case, whole)

@@ -28,16 +28,12 @@ from tests_pytorch.helpers.amp_ddp import (  # noqa: E402
     make_optimizers,
     new_scaler,
 )
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api  # noqa: E402
 
 
 def api(package: str):
-    if package == "lightning":
-        import lightning.pytorch as pl
-        from lightning.pytorch.plugins.precision import MixedPrecision
-    else:
-        import stock_pytorch_lightning as pl
-        from stock_pytorch_lightning.plugins.precision import MixedPrecision
-    return pl, MixedPrecision
+    shared = lightning_api(package)
+    return shared.pl, shared.MixedPrecision
 
 
 def module_class(pl):
@@ -143,10 +139,10 @@ def main() -> None:
     # one intra-op thread per process: 2 processes share the 2 cores; tiny matmuls do not use more anyway
     torch.set_num_threads(1)
     for case in CASES.values():
-        run_case("lightning", case, outdir)
+        run_case(FORK, case, outdir)
     if "--stock" in sys.argv:
         for name in STOCK_CASES:
-            run_case("stock_pytorch_lightning", CASES[name], outdir)
+            run_case(STOCK, CASES[name], outdir)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         (outdir / "done").touch()
 
