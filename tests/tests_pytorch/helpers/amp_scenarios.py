@@ -49,6 +49,7 @@ from tests_pytorch.helpers.amp_recipe import (
     CLIP_NORM,
     FORK,
     GAN,
+    INF_BATCH,
     INIT_SCALE,
     MIXED_PRECISIONS,
     N_BATCHES,
@@ -165,6 +166,8 @@ class Scenario:
     stock: dict[str, Any]
     net: Callable[[], nn.Module] = mlp
     configure: Callable[[nn.Module], list] = functools.partial(one_optimizer, name="SGD")
+    #: LR schedulers for the optimizers (``optimizers -> schedulers``), returned by ``configure_optimizers`` too
+    schedulers: Optional[Callable[[list], list]] = None
     automatic: bool = False
     #: extra Trainer arguments, or a function ``(api) -> dict`` of them (callbacks go under ``"callbacks"``)
     trainer: Union[dict, Callable[[Any], dict]] = field(default_factory=dict)
@@ -355,6 +358,8 @@ def module_class(package: str) -> type:
 
         def configure_optimizers(self):
             opts = self.scenario.configure(self.net)
+            if self.scenario.schedulers is not None:
+                return opts, self.scenario.schedulers(opts)
             return opts[0] if len(opts) == 1 else opts
 
         def on_train_batch_start(self, batch, batch_idx):
@@ -1045,6 +1050,88 @@ def device_mismatch_meta(self, batch, batch_idx):
     return torch.cat([self.net(x), torch.zeros(1, OUT_FEATURES, device="meta")]).sum()
 
 
+def step_lr(opts: list) -> list:
+    return [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in opts]
+
+
+def scheduler_unless_skipped(self, batch, batch_idx):
+    # manual optimization's way to keep a step-interval scheduler off skipped steps
+    opt = self.optimizers()
+    scheduler = self.lr_schedulers()
+    x, y = batch
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    opt.step()
+    if not opt.step_was_skipped:
+        scheduler.step()
+    self.records.append(scheduler.get_last_lr())
+
+
+def recipe_scheduler_unless_skipped(rc: RecipeRun, opts: list) -> None:
+    # torch's idiom: the step was skipped if update() lowered the scale
+    (opt,) = opts
+    (scheduler,) = step_lr(opts)
+    for i, (x, y) in rc.batches():
+        opt.zero_grad()
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        before = rc.scaler.get_scale()
+        rc.scaler.step(opt)
+        rc.scaler.update()
+        if not rc.scaler.get_scale() < before:
+            scheduler.step()
+        rc.records.append(scheduler.get_last_lr())
+
+
+def gan_toggle_step(self, batch, batch_idx):
+    # Lightning's GAN example: G then D, each between toggle_optimizer and untoggle_optimizer
+    opt_g, opt_d = self.optimizers()
+    real, noise = batch
+    net = self.net
+    self.toggle_optimizer(opt_g)
+    fake = net.gen(noise)
+    g_loss = inject_inf(F.mse_loss(net.disc(fake), torch.ones(4, 1)), batch_idx, self.inf_at)
+    self.manual_backward(g_loss)
+    opt_g.step()
+    opt_g.zero_grad()
+    self.untoggle_optimizer(opt_g)
+    self.toggle_optimizer(opt_d)
+    d_loss = (F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))) / 2
+    self.manual_backward(inject_inf(d_loss, batch_idx, self.late_inf_at))
+    opt_d.step()
+    opt_d.zero_grad()
+    self.untoggle_optimizer(opt_d)
+
+
+def recipe_gan_toggle(rc: RecipeRun, opts: list) -> None:
+    # toggling an optimizer switches requires_grad off for the parameters of the others
+    opt_g, opt_d = opts
+    net = rc.net
+    for i, (real, noise) in rc.batches():
+        net.disc.requires_grad_(False)
+        with rc.autocast():
+            fake = net.gen(noise)
+            g_loss = rc.inject(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)
+        rc.scaler.scale(g_loss).backward()
+        rc.scaler.step(opt_g)
+        opt_g.zero_grad()
+        net.disc.requires_grad_(True)
+        net.gen.requires_grad_(False)
+        with rc.autocast():
+            d_loss = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+            d_loss = rc.inject_late(d_loss / 2, i)
+        rc.scaler.scale(d_loss).backward()
+        rc.scaler.step(opt_d)
+        opt_d.zero_grad()
+        net.gen.requires_grad_(True)
+        rc.scaler.update()
+
+
+def _gen_then_disc(net: GAN) -> list:
+    return [make_optimizer("AdamW", net.gen.parameters()), make_optimizer("AdamW", net.disc.parameters())]
+
+
 def recipe_closure(rc: RecipeRun, opts: list) -> None:
     # the closure's forward runs under autocast: its output has the autocast dtype
     recipe_plain(rc, opts)
@@ -1072,6 +1159,11 @@ def _skips_some_steps(result: RunResult) -> bool:
 
 #: torch's own message first (the error keeps its type), then the fork's hint
 _NAMES_THE_CACHE_SWITCH = Raises((RuntimeError,), r"(?s)^mat1 and mat2 must have the same dtype.*cache_enabled=False")
+def _lr_held_on_the_skipped_step(result: RunResult) -> bool:
+    lrs = result.records
+    return lrs[INF_BATCH] == lrs[INF_BATCH - 1] and lrs[INF_BATCH + 1] != lrs[INF_BATCH]
+
+
 _MANUAL_BACKWARD = Raises(CLEAR_ERRORS, r"manual_backward")
 _RECIPE_DIFFERS_UNLESS_32 = {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL}
 
@@ -1253,6 +1345,20 @@ def _scenarios() -> list[Scenario]:
             manual_gan, recipe_gan, PRECISIONS, EQUAL,
             {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL},
             net=_gan, configure=_gan_adamw,
+        ),
+        Scenario(
+            "gan_toggle_optimizer",
+            "pattern: Lightning's GAN example, G then D, toggle_optimizer/untoggle_optimizer around each",
+            gan_toggle_step, recipe_gan_toggle, PRECISIONS, EQUAL,
+            {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL},
+            net=_gan, configure=_gen_then_disc,
+        ),
+        Scenario(
+            "scheduler_steps_unless_step_was_skipped",
+            "pattern: a step-interval LR scheduler in manual optimization, not stepped on skipped steps",
+            scheduler_unless_skipped, recipe_scheduler_unless_skipped, P16, EQUAL,
+            {"16-mixed": Raises((AttributeError,), r"step_was_skipped", unchanged=False)}, schedulers=step_lr,
+            sharp=_lr_held_on_the_skipped_step,
         ),
         Scenario(
             "accumulate_clip_on_stepping_batches",
