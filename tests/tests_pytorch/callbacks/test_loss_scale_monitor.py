@@ -21,9 +21,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, Positions, make_batches, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 INIT_SCALE = 2.0**4
@@ -125,20 +125,9 @@ class CaptureLogger(Logger):
 
 
 def trainer(precision: str = "16-mixed", **kwargs: Any) -> Trainer:
-    kwargs = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        **kwargs,
-    }
-    if precision == "16-mixed":
-        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=new_scaler())]
-    else:
-        kwargs["precision"] = precision
-    return Trainer(**kwargs)
+    scaler = new_scaler() if precision == "16-mixed" else None
+    # Lightning's default logger unless a test passes one
+    return make_trainer(lightning_api(FORK), precision, scaler=scaler, **{"logger": None, **kwargs})
 
 
 def expected_log(steps, forced=FORCED, optimizers: int = 1) -> dict[int, tuple[float, float]]:

@@ -53,6 +53,7 @@ import pytest
 import torch
 
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss
+from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 BATCHES_PER_EPOCH = 4
@@ -260,19 +261,13 @@ class End:
 def make_trainer(package: str, case: Case, callbacks=(), **kwargs: Any):
     api = lightning_api(package)
     kwargs = {
-        "accelerator": "cpu",
-        "devices": 1,
+        "max_epochs": None,
         "max_steps": TOTAL * case.steps_per_batch,
-        "logger": False,
         # only the ModelCheckpoint a case passes, none by default
         "enable_checkpointing": any(isinstance(cb, api.pl.callbacks.ModelCheckpoint) for cb in callbacks),
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
         **kwargs,
     }
-    plugin = api.MixedPrecision("16-mixed", "cpu", scaler=new_scaler())  # "16-mixed" alone is bf16 on CPU
-    return api.Trainer(plugins=[plugin], callbacks=list(callbacks), **kwargs)
+    return shared_make_trainer(api, "16-mixed", scaler=new_scaler(), callbacks=callbacks, **kwargs)
 
 
 def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **kwargs: Any) -> End:

@@ -39,6 +39,7 @@ from tests_pytorch.helpers.amp_recipe import (
     mlp,
     mlp_loss,
 )
+from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 #: a small power of two: 8 batches of doubling stay far from fp16's range, so only forced overflows skip a step
@@ -243,23 +244,8 @@ def recorder_class(package: str) -> type:
 
 
 def make_trainer(package: str, precision: str = "16-mixed", **kwargs: Any):
-    api = lightning_api(package)
-    kwargs = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        **kwargs,
-    }
-    if precision == "16-mixed":
-        # `precision="16-mixed"` alone becomes bf16 on CPU: pass the plugin with a CPU scaler
-        kwargs["plugins"] = [api.MixedPrecision("16-mixed", "cpu", scaler=new_scaler())]
-    else:
-        kwargs["precision"] = precision
-    return api.Trainer(**kwargs)
+    scaler = new_scaler() if precision == "16-mixed" else None
+    return shared_make_trainer(lightning_api(package), precision, scaler=scaler, **kwargs)
 
 
 def fit(package: str, module, precision: str = "16-mixed", **kwargs: Any):
