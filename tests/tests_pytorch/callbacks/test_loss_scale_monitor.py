@@ -12,7 +12,6 @@ when it resumes mid-epoch, while ``batch_idx`` continues (see ``tests_pytorch/ch
 
 import csv
 import functools
-import warnings
 from typing import Any, Optional
 
 import pytest
@@ -25,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, Positions, make_batches, mlp, mlp_loss
 from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
+from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 INIT_SCALE = 2.0**4
 FORCED = (0, 3, 4)
@@ -32,8 +32,7 @@ FORCED = (0, 3, 4)
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|log_every_n_steps).*")
+    with quiet_trainer():
         yield
 
 

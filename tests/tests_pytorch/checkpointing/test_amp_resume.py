@@ -55,6 +55,7 @@ import torch
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
+from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 BATCHES_PER_EPOCH = 4
 TOTAL = 10  # 2.5 epochs
@@ -70,12 +71,7 @@ RESUME_AFTER = (2, 3, 4, 5, 8)
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message=".*(num_workers|does not have many workers|log_every_n_steps|dataloader is not resumable"
-            "|callbacks used to create the checkpoint|`weights_only` was not set).*",
-        )
+    with quiet_trainer():
         yield
 
 

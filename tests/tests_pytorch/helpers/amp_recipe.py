@@ -33,6 +33,7 @@ import copy
 import functools
 import importlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -92,6 +93,23 @@ def late_inf_batch(precision: str) -> Optional[int]:
 
 def inject_inf(loss: torch.Tensor, batch_idx: int, at: Optional[int]) -> torch.Tensor:
     return loss * float("inf") if batch_idx == at else loss
+
+
+#: what the Trainer says about these tiny CPU runs (no workers, few batches, non-resumable loaders, checkpoints
+#: loaded with ``weights_only=False``, a CUDA scaler on CPU...), none of it what the tests are about
+TRAINER_CHATTER = (
+    r".*(num_workers|does not have many workers|log_every_n_steps|dataloader is not resumable"
+    r"|callbacks used to create the checkpoint|`weights_only` was not set|CUDA is not available"
+    r"|`training_step` returned `None`|Found .* module\(s\) in eval mode).*"
+)
+
+
+@contextlib.contextmanager
+def quiet_trainer():
+    """Silence :data:`TRAINER_CHATTER` (use it in an autouse fixture)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TRAINER_CHATTER)
+        yield
 
 
 def new_scaler(

@@ -20,14 +20,12 @@ Per cell ``scenario:precision``:
 * ``test_recipe_is_sharp``: the reference itself trained, stayed finite and, under 16-mixed, backed the scale off.
 """
 
-import copy
 import math
-import warnings
 
 import pytest
 import torch
 
-from tests_pytorch.helpers.amp_recipe import FORK, INIT_SCALE, STOCK, stock_is_unpatched, uses_scaler
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, quiet_trainer, stock_is_unpatched, uses_scaler
 from tests_pytorch.helpers.amp_scenarios import (
     CELLS,
     EQUAL,
@@ -42,13 +40,7 @@ from tests_pytorch.helpers.amp_scenarios import (
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message=".*(num_workers|does not have many workers|log_every_n_steps|dataloader is not resumable"
-            "|callbacks used to create the checkpoint|`weights_only` was not set|CUDA is not available"
-            "|`training_step` returned `None`|Found .* module\\(s\\) in eval mode).*",
-        )
+    with quiet_trainer():
         yield
 
 

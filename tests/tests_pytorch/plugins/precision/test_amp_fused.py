@@ -9,7 +9,6 @@ The matrix trains a tiny MLP through the Trainer and through a hand-written PyTo
 (``tests_pytorch/helpers/amp_fused.py`` explains both and what they record).
 """
 
-import warnings
 
 import pytest
 import torch
@@ -42,13 +41,12 @@ from tests_pytorch.helpers.amp_fused import (
     scale_exponents,
     uninitialised_memory_is_nan,
 )
+from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
-        # the Trainer's chatter about the tiny dataloader, missing workers, etc. is not what these tests are about
-        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|log_every_n_steps).*")
+    with quiet_trainer():
         yield
 
 

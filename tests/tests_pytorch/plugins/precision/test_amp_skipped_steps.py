@@ -41,6 +41,7 @@ from tests_pytorch.helpers.amp_recipe import (
 )
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
+from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 #: a small power of two: 8 batches of doubling stay far from fp16's range, so only forced overflows skip a step
 INIT_SCALE = 2.0**4
@@ -65,8 +66,7 @@ SCHEDULER_BEFORE_OPTIMIZER = "lr_scheduler.step()` before `optimizer.step()`"
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|log_every_n_steps).*")
+    with quiet_trainer():
         yield
 
 
