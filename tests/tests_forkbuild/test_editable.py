@@ -19,17 +19,26 @@ FIND = ("import importlib.util as u, importlib.metadata as m;"
         " print(u.find_spec('lightning').origin); print(m.version('lightning'))")
 
 
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One environment without pip (the tests' pip installs into it with ``--python``): seconds to make."""
+    venv = tmp_path_factory.mktemp("editable") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    return venv / "bin" / "python"
+
+
 @pytest.fixture
-def editable(helpers, upstream_wheel: Path, tmp_path: Path):
+def editable(helpers, upstream_wheel: Path, bare_venv: Path, tmp_path: Path):
     repo = helpers.copy_build_inputs(tmp_path / "repo")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
     env.pop("VIRTUAL_ENV", None)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(venv / "bin" / "python"), *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+        if args[:2] == ("-m", "pip"):
+            command = [sys.executable, "-m", "pip", "--python", str(bare_venv), *args[2:]]
+        else:
+            command = [str(bare_venv), *args]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
     run.env = env
     return repo, run
