@@ -18,10 +18,10 @@ sides).
 
 Two things about Fabric shape the tests (both are stock Fabric 2.6.6 behaviour, not the fork's):
 
-* On one device ``model.training_step(...)`` is the module's method as is: Fabric applies autocast only to ``forward``,
-  and routes the step methods through ``forward`` only when a strategy wraps the module (DDP, FSDP). The loop
-  therefore calls it inside ``fabric.autocast()``, as Fabric's docs ask for methods other than ``forward``, or through
-  the forward route (see :data:`ROUTES`); called plainly, the module trains in fp32 (strict xfails below).
+* Stock Fabric routes a LightningModule's step methods through ``forward`` (autocast, input conversion) only when a
+  strategy wraps the module (DDP, FSDP); on one device ``model.training_step(...)`` ran without autocast. The fork
+  (patch 0018) routes them on one device too, so calling it plainly, inside ``fabric.autocast()`` or through the
+  forward route (see :data:`ROUTES`) all train like the Trainer.
 * Through ``forward``, Fabric casts every floating-point argument to the autocast dtype, the targets too; the Trainer
   does not. The batches are therefore on a dyadic grid (multiples of 1/64 in [-2, 2)), which fp16 and bf16 represent
   exactly, so that cast changes nothing (:func:`test_why_the_batches_are_dyadic`).
@@ -257,17 +257,7 @@ def test_fabric_and_trainer_agree(cell, mode, route):
     assert_same_run(fabric_run(cell, automatic, route), under_trainer)
 
 
-_AUTOCAST_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="Fabric 2.6.6 (stock and fork) applies the precision to a LightningModule's `training_step` only when a"
-    " strategy wraps the module (it then routes the call through `forward`); on one device `model.training_step()`"
-    " runs without autocast, so the module trains in fp32 under Fabric and in low precision under the Trainer",
-)
-
-
-@pytest.mark.parametrize(
-    "precision", ["32", pytest.param("bf16-mixed", marks=_AUTOCAST_BUG), pytest.param("16-mixed", marks=_AUTOCAST_BUG)]
-)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_training_step_under_fabric_runs_under_autocast(precision):
     seen = []
 
@@ -282,9 +272,7 @@ def test_training_step_under_fabric_runs_under_autocast(precision):
     assert seen == [precision != "32"]
 
 
-@pytest.mark.parametrize(
-    "precision", ["32", pytest.param("bf16-mixed", marks=_AUTOCAST_BUG), pytest.param("16-mixed", marks=_AUTOCAST_BUG)]
-)
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("mode", MODES)
 def test_fabric_and_trainer_agree_calling_training_step_plainly(precision, mode):
     cell = Cell(precision, "AdamW", False, "norm")
@@ -314,3 +302,34 @@ def test_why_the_batches_are_dyadic():
     # without the forward route's cast, arbitrary targets are fine
     under_autocast = fabric_run(cell, automatic=True, route="autocast", dyadic=False)
     assert not params_differ(under_autocast.params, under_trainer.params)
+
+
+def test_a_method_the_module_lacks_still_raises():
+    """Only the step methods the module defines are routed: ``hasattr`` keeps working on one device."""
+    fabric = make_fabric("bf16-mixed", scaler=None)
+    model = fabric.setup(torch.nn.Linear(2, 2))
+    assert not hasattr(model, "training_step")
+    with pytest.raises(AttributeError):
+        model.validation_step
+
+
+def test_stock_fabric_runs_training_step_without_autocast_on_one_device():
+    """Negative control: stock Fabric 2.6.6 calls the method as is on one device."""
+    from stock_lightning_fabric import Fabric as StockFabric
+    from stock_pytorch_lightning import LightningModule as StockModule
+
+    seen = []
+
+    class Probe(StockModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return self.layer(batch).sum()
+
+    fabric = StockFabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    model = fabric.setup(Probe())
+    model.training_step(torch.ones(1, 2), 0)
+    assert seen == [False]

@@ -18,6 +18,7 @@ pytorch_lightning wheel renamed; in this process: it is a separate package, so n
 the stock copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
 """
 
+import contextlib
 import warnings
 from unittest import mock
 
@@ -88,10 +89,45 @@ def test_clip_gradients_matches_recipe(cell):
     _check(cell)
 
 
-def test_clip_by_norm_default_raises_on_the_overflow_step():
-    """Fabric's ``clip_gradients(..., error_if_nonfinite=True)`` default (stock Fabric's, kept) raises on the step whose
-    gradients hold inf, which the scaler would skip; the cells above pass ``error_if_nonfinite=False``."""
-    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm")).train(range(INF_BATCH))
+def _overflow_loop(package: str = "lightning") -> "FabricLoop":
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm"), package=package).train(range(INF_BATCH))
+    loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
+    loop.fabric.backward(loss)
+    return loop
+
+
+def test_clip_by_norm_tolerates_the_overflow_step_the_scaler_skips():
+    """Under a scaler ``clip_gradients`` no longer raises on non-finite gradients by default: overflow steps are normal
+    in fp16 training and the scaler skips them. The returned norm is the unscaled gradients' (inf here), the step is
+    skipped and the weights are untouched, as in PyTorch's recipe."""
+    loop = _overflow_loop()
+    before = [p.detach().clone() for p in loop.model.parameters()]
+    norm = loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
+    assert not torch.isfinite(norm)
+    loop.opts[0].step()
+    assert loop.opts[0].step_was_skipped
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+
+
+def test_clip_by_norm_returns_the_unscaled_norm():
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"))
+    x, y = make_batches()[0]
+    loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+    grads = [p.grad.detach().clone() / loop.scaler.get_scale() for p in loop.model.parameters()]
+    norm = loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
+    assert torch.equal(norm, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def test_clip_by_norm_raises_when_asked_to():
+    loop = _overflow_loop()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM, error_if_nonfinite=True)
+
+
+def test_stock_fabric_clip_by_norm_raises_on_the_overflow_step():
+    """Negative control: stock Fabric 2.6.6 raises on a step the scaler would skip (with a non-fused optimizer: it
+    cannot clip fused ones at all)."""
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"), package="stock_lightning_fabric").train(range(INF_BATCH))
     loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
     loop.fabric.backward(loss)
     with pytest.raises(RuntimeError, match="non-finite"):
@@ -170,15 +206,10 @@ def test_update_count_and_placement():
     assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="limitation: Fabric has no end-of-iteration hook, so the fork applies an iteration's update before the next"
-    " `fabric.backward()`; when one iteration interleaves backward and step (a GAN's D step, then G's backward), the"
-    " update after D's step lands before G's backward: two updates per iteration (as stock Fabric does)",
-)
 def test_interleaved_backward_and_step_one_update_per_iteration():
     """PyTorch's recipe: ``scaler.update()`` once per iteration, after the steps of all optimizers, also when the
-    iteration interleaves them with backward passes (first layer: backward, step; second layer: backward, step)."""
+    iteration interleaves them with backward passes (first layer: backward, step; second layer: backward, step):
+    with ``fabric.training_iteration()`` marking the iteration."""
     mse = torch.nn.functional.mse_loss
 
     net = make_net()
@@ -196,16 +227,25 @@ def test_interleaved_backward_and_step_one_update_per_iteration():
         scaler.update()
     expected = {n: p.detach().clone() for n, p in net.named_parameters()}
 
-    loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
-    scales = []
-    for x, y in make_batches():
-        for opt in loop.opts:
-            opt.zero_grad()
-            loop.fabric.backward(mse(loop.model(x), y))
-            scales.append(loop.scaler.get_scale())
-            opt.step()
+    def fabric_loop(mark_iterations: bool):
+        loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
+        scales = []
+        for x, y in make_batches():
+            with loop.fabric.training_iteration() if mark_iterations else contextlib.nullcontext():
+                for opt in loop.opts:
+                    opt.zero_grad()
+                    loop.fabric.backward(mse(loop.model(x), y))
+                    scales.append(loop.scaler.get_scale())
+                    opt.step()
+        return scales, {n: p.detach() for n, p in loop.model.module.named_parameters()}
+
+    scales, params = fabric_loop(mark_iterations=True)
     assert scales == expected_scales
-    assert not params_differ({n: p.detach() for n, p in loop.model.module.named_parameters()}, expected)
+    assert not params_differ(params, expected)
+    # without the marker an update lands between the first step and the second backward (as in stock Fabric)
+    scales, params = fabric_loop(mark_iterations=False)
+    assert scales != expected_scales
+    assert params_differ(params, expected)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -322,12 +362,38 @@ def test_save_applies_the_pending_update_and_does_not_perturb_the_run(tmp_path):
     assert_same_run(loop.train(range(SPLIT, N_BATCHES)).finish(), recipe)
 
 
-def test_resume_without_precision_in_state_restarts_the_scale(tmp_path):
-    """The control of the docstring above: leave the plugin out and the resumed run restarts at the initial scale."""
+def test_resume_without_precision_in_state_is_exact(tmp_path):
+    """The checkpoint guide's state, ``{"model": model, "optimizer": opt}``: ``fabric.save`` carries the scaler's state
+    under ``"MixedPrecision"`` and ``fabric.load`` restores it, so the resumed run continues with the same scale."""
     cell = Cell("16-mixed", "AdamW", True, "norm")
     recipe = cached_recipe_run(cell)
     run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="none")
+    assert run.scales == recipe.scales
+    assert not params_differ(run.params, recipe.params)
+    assert "MixedPrecision" in torch.load(tmp_path / "fabric.ckpt", weights_only=False)
+
+
+def test_stock_fabric_resume_without_precision_in_state_restarts_the_scale(tmp_path):
+    """Negative control: stock Fabric 2.6.6 saves no scaler state; the resumed run restarts at the initial scale."""
+    cell = Cell("16-mixed", "AdamW", False, "norm")  # unfused: stock cannot clip fused optimizers
+    recipe = cached_recipe_run(cell)
+    run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="none", package="stock_lightning_fabric")
     assert run.scales[SPLIT] == INIT_SCALE != recipe.scales[SPLIT]
+
+
+def test_checkpoints_load_across_fork_and_stock(tmp_path):
+    """Stock Fabric loads the fork's checkpoint (the scaler's entry comes back in the remainder), and the fork loads
+    a stock one (no entry: the scaler keeps its state)."""
+    cell = Cell("16-mixed", "AdamW", False, "norm")
+    fork = FabricLoop(cell).train(range(SPLIT))
+    fork.save(tmp_path / "fork.ckpt", scaler_entry="none")
+    stock = FabricLoop(cell, package="stock_lightning_fabric")
+    remainder = stock.load(tmp_path / "fork.ckpt", scaler_entry="none")
+    assert remainder["MixedPrecision"]["scale"] == fork.scaler.get_scale()
+    stock.save(tmp_path / "stock.ckpt", scaler_entry="none")
+    again = FabricLoop(cell)
+    assert again.load(tmp_path / "stock.ckpt", scaler_entry="none") == {}
+    assert again.scaler.get_scale() == INIT_SCALE
 
 
 @pytest.mark.parametrize(

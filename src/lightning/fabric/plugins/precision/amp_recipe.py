@@ -725,10 +725,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
     ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
 
-    Fabric's loop belongs to the user, so no iteration is ever open (:attr:`IterationPhase.OUTSIDE`): the single
-    ``scaler.update()`` owed by an iteration's steps is applied right before the next ``fabric.backward()`` scales a
-    loss, and before ``fabric.save`` or the plugin's ``state_dict``. Several optimizers fed by one backward are all
-    unscaled with the scale that scaled their gradients.
+    Fabric's loop belongs to the user. Unless the user marks an iteration (``with fabric.training_iteration():``), none
+    is open (:attr:`IterationPhase.OUTSIDE`): the single ``scaler.update()`` owed by an iteration's steps is applied
+    right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the plugin's
+    ``state_dict``, so several optimizers fed by one backward are all unscaled with the scale that scaled their
+    gradients. Inside a marked iteration the update waits for its end, so a loop that interleaves backward and step of
+    several optimizers (a GAN) gets one update per iteration, as in PyTorch's recipe.
 
     """
 
@@ -741,6 +743,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         tensor = self._recipe.scale(tensor, self._known_optimizers)
         with self._recipe.backward():
             super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def training_iteration_start(self) -> None:
+        if self.scaler is not None:
+            self._recipe.iteration_start()
 
     @override
     def training_iteration_end(self) -> None:

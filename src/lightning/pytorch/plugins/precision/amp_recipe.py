@@ -192,12 +192,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         optimizer: Optimizer,
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
+    ) -> Optional[Tensor]:
         with self._outside_forward_context():
             if clip_val > 0 and self.scaler is not None:
                 # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
                 self._recipe.unscale(*self._unwrap(optimizer))
-            super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+            return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
