@@ -320,10 +320,14 @@ class RecipeRun:
 
     """
 
-    def __init__(self, net: nn.Module, precision: str) -> None:
+    def __init__(self, net: nn.Module, precision: str, autocast_cache: bool = AUTOCAST_CACHE) -> None:
         self.net = net
         self.precision = precision
         self.dtype = autocast_dtype(precision)
+        #: the fork's default: on where torch makes it safe, in automatic optimization; off in manual optimization. A
+        #: weight used twice is cast once with it, twice without, and its two gradients are summed in low precision
+        #: with it, in fp32 without: the recipe must match the mode it is compared with, bit for bit.
+        self.autocast_cache = autocast_cache
         self.scaler = new_scaler(enabled=uses_scaler(precision))
         self.inf_at = inf_batch(precision)
         self.late_inf_at = late_inf_batch(precision)
@@ -342,7 +346,7 @@ class RecipeRun:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.dtype, cache_enabled=AUTOCAST_CACHE)
+        return torch.autocast("cpu", dtype=self.dtype, cache_enabled=self.autocast_cache)
 
     def inject(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return inject_inf(loss, batch_idx, self.inf_at)
