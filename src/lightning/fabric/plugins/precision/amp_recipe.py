@@ -538,8 +538,9 @@ class GradScalerRecipe:
             raise RuntimeError(
                 f"{where} found gradients that a backward without the loss scale accumulated ({len(live)} parameter"
                 " tensor(s)): with a gradient scaler every backward must go through it, or the step divides those"
-                " gradients by the scale. Call `self.manual_backward(loss)` (Fabric: `fabric.backward(loss)`) instead"
-                " of `loss.backward()` or `torch.autograd.backward`, for every loss of the step. Nothing was changed."
+                " gradients by the scale. Call `self.manual_backward(loss)` instead of `loss.backward()` (or"
+                " `torch.autograd.backward`; in Fabric, `fabric.backward(loss)`) for every loss of the step. Nothing"
+                " was changed."
             )
 
     def _check_raw_step(self, optimizer: Optimizer) -> None:
