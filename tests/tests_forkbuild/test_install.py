@@ -353,23 +353,6 @@ def test_a_package_that_depends_on_pytorch_lightning_keeps_the_patched_one(
         venv.pip("uninstall", "-y", "needs-any-pl", "needs-pl-266")
 
 
-def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(venv: Venv, pin: Pin, standalone_upstream_wheel: Path,
-                                                               standalone_wheel: Path) -> None:
-    """Replacing the patched pytorch-lightning by stock 2.6.6 (asking for that very file: for a requirement by name pip
-    and uv keep the installed ``2.6.6+amp.1``, which every 2.6.6 requirement accepts) is reported at once, and by
-    ``pip check``."""
-    try:
-        done = venv.pip("install", str(standalone_upstream_wheel))
-        said = done.stdout + done.stderr
-        expected = f"pytorch-lightning=={pin.fork_version}, but you have pytorch-lightning {pin.version}"
-        assert f"lightning {pin.fork_version} requires {expected}" in said, said
-        check = venv.pip("check", check=False)
-        assert check.returncode != 0 and f"lightning {pin.fork_version} has requirement {expected}" in check.stdout
-    finally:
-        venv.pip("install", "--no-deps", "--force-reinstall", str(standalone_wheel))
-    venv.pip("check")
-
-
 # --- the README's install command, from a git URL ---------------------------------------------------------------------
 
 
@@ -411,7 +394,7 @@ def test_the_documented_command_installs_both_from_git(helpers, venv: Venv, pin:
     venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
     try:
         if installer == "pip":
-            command = [str(venv.python), "-I", "-m", "pip", "install", *requirements]
+            command = [str(venv.python), "-I", "-m", "pip", "install", "--no-compile", *requirements]
         else:
             command = [_uv_or_skip(), "pip", "install", "--offline", "--python", str(venv.python), *requirements]
         done = subprocess.run(command, cwd=venv.workdir, env=env, capture_output=True, text=True, timeout=600)
@@ -419,21 +402,28 @@ def test_the_documented_command_installs_both_from_git(helpers, venv: Venv, pin:
         assert _installed_version(venv, "lightning") == _installed_version(venv, "pytorch-lightning") == pin.fork_version
         venv.pip("check")
     finally:
-        venv.pip("install", "--no-deps", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
+        venv.pip("install", "--no-deps", "--no-compile", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_lightning_alone_beside_a_stock_pytorch_lightning_is_refused(
+def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(
     helpers, venv: Venv, pin: Pin, upstream_dir: Path, standalone_upstream_wheel: Path, fork_wheel: Path,
     standalone_wheel: Path, tmp_path: Path
 ) -> None:
-    """The fork's lightning without its companion, where stock pytorch-lightning 2.6.6 is installed: pip refuses,
-    naming the patched companion it needs."""
+    """1. Replacing the patched pytorch-lightning by stock 2.6.6 (asking for that very file: for a requirement by name
+    pip and uv keep the installed ``2.6.6+amp.1``, which every 2.6.6 requirement accepts) is reported at once, and by
+    ``pip check``. 2. The fork's lightning without its companion, where stock pytorch-lightning 2.6.6 is installed:
+    pip refuses, naming the patched companion it needs, and changes nothing."""
     url = _git_repo(helpers, tmp_path / "repo")
     env = _offline(helpers, venv, upstream_dir, tmp_path)
-    venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
-    venv.pip("install", "--no-deps", str(standalone_upstream_wheel))
+    expected = f"pytorch-lightning=={pin.fork_version}, but you have pytorch-lightning {pin.version}"
     try:
+        done = venv.pip("install", "--no-compile", str(standalone_upstream_wheel))
+        assert f"lightning {pin.fork_version} requires {expected}" in done.stdout + done.stderr, done.stdout
+        check = venv.pip("check", check=False)
+        assert check.returncode != 0 and f"lightning {pin.fork_version} has requirement {expected}" in check.stdout
+
+        venv.pip("uninstall", "-y", "lightning")
         done = subprocess.run([str(venv.python), "-I", "-m", "pip", "install", url], cwd=venv.workdir, env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode != 0
@@ -441,5 +431,5 @@ def test_lightning_alone_beside_a_stock_pytorch_lightning_is_refused(
         assert _installed_version(venv, "pytorch-lightning") == pin.version  # nothing replaced, nothing half-done
         assert venv.run("-c", "import importlib.util as u; print(u.find_spec('lightning'))").stdout.strip() == "None"
     finally:
-        venv.pip("install", "--no-deps", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
+        venv.pip("install", "--no-deps", "--no-compile", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
     venv.pip("check")
