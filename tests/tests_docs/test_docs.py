@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = REPO / "docs" / "source-pytorch"  # the pages, in upstream's layout
@@ -143,6 +144,7 @@ def _doctest_results(output: str) -> dict[str, tuple[int, int]]:
     return results
 
 
+@requires_cpu_16_mixed  # the pages' 16-mixed examples train on CPU (their bf16 ones run in the HTML build's tests)
 def test_every_example_runs(builds: dict[str, Build]) -> None:
     build = builds["doctest"]
     _assert_succeeded(build)

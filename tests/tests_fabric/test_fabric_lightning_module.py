@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
+from tests_fabric.helpers.torch_features import autocast_enabled
 from tests_fabric.helpers.amp_fabric import (
     BATCH_SIZE,
     CLIP_NORM,
@@ -263,7 +264,7 @@ def test_training_step_under_fabric_runs_under_autocast(precision):
 
     class Probe(RecipeModule):
         def training_step(self, batch, batch_idx):
-            seen.append(torch.is_autocast_enabled("cpu"))
+            seen.append(autocast_enabled("cpu"))
             return super().training_step(batch, batch_idx)
 
     fabric = make_fabric(precision, scaler=new_scaler() if uses_scaler(precision) else None)
@@ -326,7 +327,7 @@ def test_stock_fabric_runs_training_step_without_autocast_on_one_device():
             self.layer = torch.nn.Linear(2, 2)
 
         def training_step(self, batch, batch_idx):
-            seen.append(torch.is_autocast_enabled("cpu"))
+            seen.append(autocast_enabled("cpu"))
             return self.layer(batch).sum()
 
     fabric = StockFabric(accelerator="cpu", devices=1, precision="bf16-mixed")

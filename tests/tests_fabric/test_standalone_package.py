@@ -18,6 +18,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
 
 FORK = ("lightning.fabric", "lightning_fabric")  # the fork, under both import names
 STOCK = "stock_lightning_fabric"  # the unpatched 2.6.6, renamed (forkbuild: --flavour stock-pytorch-lightning)
@@ -35,9 +36,9 @@ def _fused_adamw_works() -> bool:
     return True
 
 
-def _scaler() -> torch.amp.GradScaler:
+def _scaler() -> GradScaler:
     """A scale that grows after every update, so that an extra or missing update changes the result."""
-    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    return cpu_grad_scaler(init_scale=2.0**8, growth_interval=1)
 
 
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:

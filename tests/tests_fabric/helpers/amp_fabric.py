@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, optimizer
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 OPTIMIZERS = ("AdamW", "Adam", "SGD-momentum")
@@ -63,8 +64,8 @@ def uses_scaler(precision: str) -> bool:
     return precision == "16-mixed"
 
 
-def new_scaler(init_scale: float = INIT_SCALE) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
+def new_scaler(init_scale: float = INIT_SCALE) -> GradScaler:
+    return cpu_grad_scaler(init_scale=init_scale, growth_interval=1)
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,11 @@ def make_optimizer(name: str, params: Any, fused: bool) -> torch.optim.Optimizer
     """``fused=False`` is the for-loop implementation (``foreach=False`` spelled out)."""
     impl = {"fused": True} if fused else {"fused": False, "foreach": False}
     if name == "Adam":
-        return torch.optim.Adam(params, lr=1e-2, **impl)
+        return optimizer(torch.optim.Adam, params, lr=1e-2, **impl)
     if name == "AdamW":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **impl)
+        return optimizer(torch.optim.AdamW, params, lr=1e-2, weight_decay=0.1, **impl)
     if name == "SGD-momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, **impl)
+        return optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9, **impl)
     raise ValueError(name)
 
 
@@ -266,7 +267,7 @@ def recipe_run(cell: Cell, batches: Optional[list[tuple[torch.Tensor, torch.Tens
     net = make_net()
     opts = make_optimizers(cell, net)
     dtype = _DTYPES[cell.precision]
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1, enabled=uses_scaler(cell.precision))
+    scaler = cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1, enabled=uses_scaler(cell.precision))
     run = Run(params={}, scales=[] if scaler.is_enabled() else None, final_scale=None, skipped=[], changed=[])
     for batch_idx, (x, y) in enumerate(make_batches() if batches is None else batches):
         for opt in opts:
@@ -327,7 +328,7 @@ def fabric_api(package: str) -> SimpleNamespace:
     return SimpleNamespace(Fabric=Fabric, MixedPrecision=MixedPrecision)
 
 
-def make_fabric(precision: str, package: str = "lightning", scaler: Optional[torch.amp.GradScaler] = None):
+def make_fabric(precision: str, package: str = "lightning", scaler: Optional[GradScaler] = None):
     """A one-device CPU Fabric. 16-mixed goes through an explicit ``MixedPrecision`` with a CPU ``GradScaler``
     (``Fabric(precision="16-mixed")`` on CPU would build a CUDA scaler, which disables itself)."""
     api = fabric_api(package)

@@ -90,6 +90,12 @@ requires_cpu_16_mixed = pytest.mark.skipif(
         f" ({_THIS_TORCH}, which has {'neither' if not (HAS_AMP_GRAD_SCALER or CPU_FP16_AUTOCAST) else 'only one'})"
     ),
 )
+requires_cpu_fp16_autocast = pytest.mark.skipif(
+    not CPU_FP16_AUTOCAST, reason=f"fp16 autocast on CPU is missing in this torch (torch 2.1 has only bf16; {_THIS_TORCH})"
+)
+requires_cpu_sharded_grad_scaler = pytest.mark.skipif(
+    TORCH < (2, 2), reason=f"ShardedGradScaler takes a device (CPU) from torch 2.2 ({_THIS_TORCH})"
+)
 requires_autocast_enabled_device = pytest.mark.skipif(
     not AUTOCAST_ENABLED_TAKES_DEVICE, reason=f"torch.is_autocast_enabled(device_type) needs torch >= 2.4 ({_THIS_TORCH})"
 )
@@ -140,3 +146,16 @@ def optimizer(cls: type, params, **kwargs) -> torch.optim.Optimizer:
     if "fused" in kwargs and not kwargs["fused"] and "fused" not in inspect.signature(cls.__init__).parameters:
         del kwargs["fused"]
     return cls(params, **kwargs)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)`` on every torch (before 2.4: ``is_autocast_cpu_enabled()`` for CPU)."""
+    if AUTOCAST_ENABLED_TAKES_DEVICE:
+        return torch.is_autocast_enabled(device_type)
+    return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def require_cpu_fp16_autocast() -> None:
+    """Skip the calling test where this torch has no fp16 autocast on CPU (a nested ``torch.float16`` region)."""
+    if not CPU_FP16_AUTOCAST:
+        pytest.skip(requires_cpu_fp16_autocast.kwargs["reason"])

@@ -21,6 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tests_fabric.helpers.torch_features import GradScaler
 from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, Positions, make_batches, mlp, mlp_loss
 from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
@@ -36,7 +37,7 @@ def _quiet():
         yield
 
 
-def new_scaler() -> torch.amp.GradScaler:
+def new_scaler() -> GradScaler:
     return _new_scaler(init_scale=INIT_SCALE)
 
 

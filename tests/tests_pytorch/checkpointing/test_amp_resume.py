@@ -52,6 +52,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests_fabric.helpers.torch_features import GradScaler, optimizer
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
@@ -75,7 +76,7 @@ def _quiet():
         yield
 
 
-def new_scaler() -> torch.amp.GradScaler:
+def new_scaler() -> GradScaler:
     return _new_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
@@ -182,7 +183,7 @@ def module_class(package: str) -> type:
                 groups = [self.net.parameters()]
             else:
                 groups = [self.net[0].parameters(), self.net[2].parameters()]
-            opts = [torch.optim.AdamW(params, lr=1e-2, fused=self.case.fused) for params in groups]
+            opts = [optimizer(torch.optim.AdamW, params, lr=1e-2, fused=self.case.fused) for params in groups]
             schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in opts]
             if self.case.automatic:
                 return {"optimizer": opts[0], "lr_scheduler": {"scheduler": schedulers[0], "interval": "step"}}

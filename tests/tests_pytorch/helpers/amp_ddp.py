@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests_fabric.helpers.torch_features import GradScaler
 from tests_pytorch.helpers.amp_fused import make_optimizer
 from tests_pytorch.helpers.amp_recipe import make_batches, mlp
 from tests_pytorch.helpers.amp_recipe import new_scaler as shared_new_scaler
@@ -124,7 +125,7 @@ def make_optimizers(case: Case, net: nn.Sequential) -> list[torch.optim.Optimize
     return [make_optimizer(case.optimizer, net.parameters(), case.fused)]
 
 
-def new_scaler(enabled: bool = True) -> torch.amp.GradScaler:
+def new_scaler(enabled: bool = True) -> GradScaler:
     return shared_new_scaler(init_scale=INIT_SCALE, enabled=enabled)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests_fabric.helpers.torch_features import optimizer
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, mlp, new_scaler, optimizer_params
 from tests_pytorch.helpers.amp_recipe import lightning_api as shared_lightning_api
 from tests_pytorch.helpers.amp_recipe import make_batches as shared_make_batches
@@ -105,17 +106,17 @@ def make_optimizer(name: str, params: Any, fused: bool) -> torch.optim.Optimizer
     """``fused=False`` is the for-loop implementation (``foreach=False`` spelled out: the reference path)."""
     impl = {"fused": True} if fused else {"fused": False, "foreach": False}
     if name == "Adam":
-        return torch.optim.Adam(params, lr=1e-2, **impl)
+        return optimizer(torch.optim.Adam, params, lr=1e-2, **impl)
     if name == "AdamW":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **impl)
+        return optimizer(torch.optim.AdamW, params, lr=1e-2, weight_decay=0.1, **impl)
     if name == "SGD-momentum":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.0, **impl)
+        return optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9, dampening=0.0, **impl)
     if name == "SGD":
-        return torch.optim.SGD(params, lr=0.1, **impl)
+        return optimizer(torch.optim.SGD, params, lr=0.1, **impl)
     if name == "Adagrad":
-        return torch.optim.Adagrad(params, lr=0.1, **impl)
+        return optimizer(torch.optim.Adagrad, params, lr=0.1, **impl)
     if name == "SGD-dampening":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1, **impl)
+        return optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9, dampening=0.1, **impl)
     if name == "SelfUnscalingSGD":
         assert not fused
         return SelfUnscalingSGD(params, lr=0.1, momentum=0.9, foreach=False)
@@ -132,7 +133,8 @@ def _state_snapshot(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     snap = []
     for p in optimizer_params(opt):
         state = opt.state.get(p, {})
-        snap.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+        # torch < 2.2 keeps `momentum_buffer: None` for SGD without momentum: no state
+        snap.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items() if v is not None})
     return snap
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
+from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
@@ -113,10 +114,10 @@ def quiet_trainer():
 
 
 def new_scaler(
-    cls: type = torch.amp.GradScaler, enabled: bool = True, init_scale: float = INIT_SCALE, growth_interval: int = 1
-) -> torch.amp.GradScaler:
+    cls: type = GradScaler, enabled: bool = True, init_scale: float = INIT_SCALE, growth_interval: int = 1
+) -> GradScaler:
     """The CPU ``GradScaler`` of every test: a power-of-two ``init_scale`` and, by default, ``growth_interval=1``."""
-    return cls("cpu", init_scale=init_scale, growth_interval=growth_interval, enabled=enabled)
+    return cpu_grad_scaler(cls, init_scale=init_scale, growth_interval=growth_interval, enabled=enabled)
 
 
 # --------------------------------------------------------------------------------------------------------------------

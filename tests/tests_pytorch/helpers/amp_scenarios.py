@@ -44,6 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests_fabric.helpers.torch_features import (
+    GradScaler,
+    cpu_grad_scaler,
+    cuda_grad_scaler,
+    optimizer,
+    require_cpu_fp16_autocast,
+)
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     CLIP_NORM,
@@ -337,7 +344,7 @@ def module_class(package: str) -> type:
             self._mark: tuple = ([p.detach().clone() for p in self.net.parameters()], None)
 
         @property
-        def scaler(self) -> Optional[torch.amp.GradScaler]:
+        def scaler(self) -> Optional[GradScaler]:
             """What a user reaches for: ``self.trainer.precision_plugin.scaler`` (``None`` without one)."""
             return getattr(self.trainer.precision_plugin, "scaler", None)
 
@@ -602,7 +609,7 @@ def two_heads_optimizers(net: TwoHeads) -> list:
 
 
 def fused_adamw(net: nn.Module) -> list:
-    return [torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)]
+    return [optimizer(torch.optim.AdamW, net.parameters(), lr=1e-2, fused=True)]
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -1009,6 +1016,8 @@ def recipe_two_heads(rc: RecipeRun, opts: list) -> None:
 
 
 def _other_dtype(precision: str) -> torch.dtype:
+    if precision == "bf16-mixed":
+        require_cpu_fp16_autocast()
     return torch.float16 if precision == "bf16-mixed" else torch.bfloat16
 
 
@@ -1265,19 +1274,19 @@ def _scenarios() -> list[Scenario]:
             "scaler_disabled_by_the_user",
             "12.2.8: MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
             manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, scaler=lambda: torch.amp.GradScaler("cpu", enabled=False),
+            {"16-mixed": NO_ERROR}, scaler=lambda: cpu_grad_scaler(enabled=False),
         ),
         Scenario(
             "scaler_disabled_by_the_user_automatic",
             "12.2.8: the same in automatic optimization",
             auto_loss, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, automatic=True, scaler=lambda: torch.amp.GradScaler("cpu", enabled=False),
+            {"16-mixed": NO_ERROR}, automatic=True, scaler=lambda: cpu_grad_scaler(enabled=False),
         ),
         Scenario(
             "cuda_scaler_on_cpu",
             "12.2.8: GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
             manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, scaler=lambda: torch.amp.GradScaler("cuda"),
+            {"16-mixed": NO_ERROR}, scaler=lambda: cuda_grad_scaler(),
         ),
         Scenario(
             "inplace_inner_update_between_forwards",

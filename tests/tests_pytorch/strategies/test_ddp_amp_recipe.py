@@ -31,12 +31,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
 from tests_pytorch.helpers.amp_ddp import CASES, CLIP_NORM, INIT_SCALE, STOCK_CASES, Case, Result, recipe_run
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_amp_recipe.py"
 #: the script takes ~15 s on 2 cores (process start-up dominates); this is the limit for a stuck collective
 TIMEOUT = 300
+
+#: every case trains 16-mixed on CPU, or fused AdamW under bf16-mixed; the script runs them all in one process
+pytestmark = [requires_cpu_16_mixed, requires_cpu_fused("AdamW")]
 
 #: every run the script records: the cases, and the resumed half of the resume case
 RUNS = [*CASES, *(f"{name}-resumed" for name, case in CASES.items() if case.resume)]

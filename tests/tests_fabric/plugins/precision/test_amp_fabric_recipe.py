@@ -24,8 +24,8 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.amp.grad_scaler import OptState
 
+from tests_fabric.helpers.torch_features import OptState, cpu_grad_scaler
 from tests_fabric.helpers.amp_fabric import (
     CLIP_NORM,
     CLIPS,
@@ -419,7 +419,7 @@ def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
 
 
 def test_stock_fabric_is_the_unpatched_copy():
-    stock = fabric_api("stock_lightning_fabric").MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    stock = fabric_api("stock_lightning_fabric").MixedPrecision("16-mixed", "cpu", scaler=cpu_grad_scaler())
     assert not hasattr(stock, "optimizer_step_was_skipped")
     assert not hasattr(stock, "_recipe")
 
@@ -481,7 +481,7 @@ def test_a_wrong_recipe_is_caught():
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
     net = make_net()
     opts = [make_optimizer("SGD-momentum", net[i].parameters(), False) for i in (0, 2)]
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+    scaler = cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1)
     for batch_idx, (x, y) in enumerate(make_batches()):
         for opt in opts:
             opt.zero_grad()

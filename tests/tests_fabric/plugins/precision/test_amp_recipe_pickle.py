@@ -8,11 +8,12 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision as TrainerMixedPrecision
+from tests_fabric.helpers.torch_features import cpu_grad_scaler
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_fabric_mixed_precision_pickles_after_setup(precision):
-    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    scaler = cpu_grad_scaler() if precision == "16-mixed" else None
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision(precision, "cpu", scaler=scaler)])
     module = torch.nn.Linear(2, 2)
     _, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
@@ -25,6 +26,6 @@ def test_fabric_mixed_precision_pickles_after_setup(precision):
 
 
 def test_trainer_mixed_precision_pickles():
-    plugin = TrainerMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    plugin = TrainerMixedPrecision("16-mixed", "cpu", scaler=cpu_grad_scaler())
     copy = pickle.loads(pickle.dumps(plugin))
     assert copy.scaler.get_scale() == plugin.scaler.get_scale()

@@ -16,15 +16,15 @@ from lightning.fabric.plugins.precision.amp_recipe import (
     IterationPhase,
     _check_scaler_is_enabled,
 )
-from tests_fabric.helpers.torch_features import requires_cpu_grad_scaler
+from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler, requires_cpu_grad_scaler
 
 pytestmark = requires_cpu_grad_scaler
 
 X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
 
 
-def _scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+def _scaler() -> GradScaler:
+    return cpu_grad_scaler(init_scale=2.0**10, growth_interval=1)
 
 
 def _twins() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
@@ -244,10 +244,10 @@ def test_watch_refuses_a_raw_step_on_scaled_gradients_and_allows_the_users_scale
 
 def test_disabled_scaler_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"enabled=False.*bf16-mixed"):
-        _check_scaler_is_enabled(torch.amp.GradScaler("cpu", enabled=False), "`MixedPrecision`")
+        _check_scaler_is_enabled(cpu_grad_scaler(enabled=False), "`MixedPrecision`")
     if not torch.cuda.is_available():
         with pytest.warns(UserWarning):
-            cuda_scaler = torch.amp.GradScaler("cuda")
+            cuda_scaler = cuda_grad_scaler()
         with pytest.raises(ValueError, match=r"CUDA is not available.*GradScaler\('cpu'\)"):
             _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")
     _check_scaler_is_enabled(_scaler(), "`MixedPrecision`")

@@ -17,6 +17,7 @@ from lightning.fabric.plugins.precision.amp_recipe import _AUTOCAST_CACHE_IS_SAF
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.plugins.precision.amp import _is_autocast_cache_dtype_mismatch
+from tests_fabric.helpers.torch_features import requires_cpu_fp16_autocast
 
 needs_safe_cache = pytest.mark.skipif(not _AUTOCAST_CACHE_IS_SAFE, reason="autocast's cache is refused before torch 2.11")
 
@@ -175,6 +176,7 @@ def test_weight_in_two_dtypes_names_the_switch():
     assert torch.equal(model.layer.weight, before)  # nothing was computed with the wrongly typed cast
 
 
+@requires_cpu_fp16_autocast
 def test_weight_in_two_dtypes_runs_with_cache_off():
     model = SharedWeightAcrossDtypes()
     before = model.layer.weight.detach().clone()
@@ -203,6 +205,7 @@ def _nested(layer: nn.Module, x: torch.Tensor) -> None:
         pytest.param(lambda: _nested(lambda x, w=nn.Parameter(torch.randn(4, 4)): x @ w, torch.randn(2, 4)), id="matmul"),
     ],
 )
+@requires_cpu_fp16_autocast
 def test_every_form_of_the_cache_dtype_mismatch_is_recognised(make_error):
     assert _is_autocast_cache_dtype_mismatch(_error_of(make_error))
 

@@ -12,8 +12,8 @@ The matrix trains a tiny MLP through the Trainer and through a hand-written PyTo
 
 import pytest
 import torch
-from torch.amp.grad_scaler import OptState
 
+from tests_fabric.helpers.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
 from tests_pytorch.helpers.amp_fused import (
     BITWISE,
     CLIP_NORM,
@@ -114,6 +114,8 @@ def test_fused_optimizer_matrix(optimizer, fused, precision, clip, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("start", ["inf-at-batch-0", "overflowing-init-scale"])
+@requires_cpu_16_mixed
+@requires_cpu_fused("SGD")
 def test_fused_sgd_momentum_survives_a_skipped_first_step(start, mode):
     """Fused SGD with momentum whose first step is skipped equals for-loop SGD: the fork gives it zero momentum
     buffers, which is exact with ``dampening=0``. Uninitialised memory is NaN here, so a buffer torch left uninitialised
@@ -136,6 +138,8 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step(start, mode):
 
 
 @pytest.mark.parametrize("start", ["inf-at-batch-0", "overflowing-init-scale"])
+@requires_cpu_16_mixed
+@requires_cpu_fused("SGD")
 def test_raw_torch_fused_sgd_momentum_breaks_on_a_skipped_first_step(start):
     """Negative control for the test above: PyTorch's own AMP recipe with fused SGD (no Lightning, no protection) leaves
     the momentum buffers uninitialised when the scaler skips the first step, and training is destroyed."""

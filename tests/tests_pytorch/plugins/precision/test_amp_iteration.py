@@ -7,6 +7,7 @@ from torch import nn
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
+from tests_fabric.helpers.torch_features import cpu_grad_scaler
 
 
 class TwoStepsPerBatch(LightningModule):
@@ -40,7 +41,7 @@ class RecordScale(Callback):
 
 
 def _plugin() -> MixedPrecision:
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1))
+    return MixedPrecision("16-mixed", "cpu", scaler=cpu_grad_scaler(init_scale=2.0**4, growth_interval=1))
 
 
 def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
@@ -168,7 +169,7 @@ def test_clipping_on_a_batch_without_backward_leaves_no_state():
     reference.load_state_dict(model.state_dict())
     trainer = _fit_quietly(model, gradient_clip_val=1e9, gradient_clip_algorithm="norm")
     # the recipe: only the even batches train, one update each
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     for batch_idx, batch in enumerate(reference.train_dataloader()):
         if batch_idx % 2:

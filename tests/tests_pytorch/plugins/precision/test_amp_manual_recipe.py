@@ -29,6 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests_fabric.helpers.torch_features import (
+    GradScaler,
+    autocast_enabled,
+    require_cpu_fp16_autocast,
+    requires_cpu_fp16_autocast,
+)
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     CLIP_NORM,
@@ -89,6 +95,7 @@ def _mlp(precision: str) -> nn.Module:
 
 
 def _nested_net(precision: str) -> nn.Module:
+    require_cpu_fp16_autocast()  # a nested region of the other dtype: float16 under bf16-mixed
     outer = autocast_dtype(precision)
     other = torch.float16 if outer == torch.bfloat16 else torch.bfloat16
     return NestedAutocastNet(outer, other)
@@ -321,7 +328,7 @@ def test_matches_the_pytorch_amp_recipe(cell):
 
 
 def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cpu")
+    return autocast_enabled("cpu")
 
 
 class _RecordingSGD(torch.optim.SGD):
@@ -334,7 +341,7 @@ class _RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-class _RecordingScaler(torch.amp.GradScaler):
+class _RecordingScaler(GradScaler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.records: list = []
@@ -588,7 +595,9 @@ def test_multi_step_reference_is_gradscaler_for_one_step(precision, optimizer):
     assert_same_run(*runs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, pytest.param(torch.float16, marks=requires_cpu_fp16_autocast)], ids=["bf16", "fp16"]
+)
 def test_stale_weight_check_can_fail(dtype):
     """The check of ``step_then_forward`` (stock passes it: its autocast cache is off) catches a stale cache: one
     autocast region with the cache on around forward, step and a second forward, as upstream master has it."""

@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR, StepLR
 
+from tests_fabric.helpers.torch_features import GradScaler, optimizer
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     N_BATCHES,
@@ -52,9 +53,9 @@ MODES = ("automatic", "manual")
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "SGD-fused": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    "SGD-fused": lambda params: optimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9, fused=True),
     "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2),
-    "AdamW-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    "AdamW-fused": lambda params: optimizer(torch.optim.AdamW, params, lr=1e-2, fused=True),
 }
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "StepLR": lambda opt: StepLR(opt, step_size=1, gamma=0.5),
@@ -70,7 +71,7 @@ def _quiet():
         yield
 
 
-def new_scaler() -> torch.amp.GradScaler:
+def new_scaler() -> GradScaler:
     return _new_scaler(init_scale=INIT_SCALE)
 
 

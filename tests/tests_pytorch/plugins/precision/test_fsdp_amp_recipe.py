@@ -20,6 +20,14 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
+from tests_fabric.helpers.torch_features import (
+    GradScaler,
+    cpu_grad_scaler,
+    optimizer,
+    requires_cpu_16_mixed,
+    requires_cpu_fused,
+    requires_cpu_sharded_grad_scaler,
+)
 
 INIT_SCALE = 2.0**10
 INF_AT = 2
@@ -58,8 +66,8 @@ def _nets() -> tuple[nn.Module, nn.Module]:
 
 def _optimizers(first: nn.Module, second: nn.Module, fused: bool) -> list[torch.optim.Optimizer]:
     return [
-        torch.optim.AdamW(first.parameters(), lr=1e-2, fused=fused),
-        torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9, fused=fused),
+        optimizer(torch.optim.AdamW, first.parameters(), lr=1e-2, fused=fused),
+        optimizer(torch.optim.SGD, second.parameters(), lr=0.1, momentum=0.9, fused=fused),
     ]
 
 
@@ -72,7 +80,7 @@ def _scaler() -> ShardedGradScaler:
     return ShardedGradScaler(device="cpu", init_scale=INIT_SCALE, growth_interval=1)
 
 
-def _recipe(fused: bool, scaler: Optional[torch.amp.GradScaler] = None) -> tuple[list[torch.Tensor], list[float]]:
+def _recipe(fused: bool, scaler: Optional[GradScaler] = None) -> tuple[list[torch.Tensor], list[float]]:
     first, second = _nets()
     optimizers = _optimizers(first, second, fused)
     scaler, scales = scaler or _scaler(), []
@@ -139,6 +147,8 @@ def _fit(model: LightningModule, record: Callback) -> None:
         trainer.fit(model)
 
 
+@requires_cpu_16_mixed
+@requires_cpu_sharded_grad_scaler
 def test_fsdp_precision_follows_the_recipe():
     record = RecordScale()
     model = TwoOptimizersOneBackward(fused=False)
@@ -151,11 +161,14 @@ def test_fsdp_precision_follows_the_recipe():
         assert torch.equal(actual, expected)
 
 
-def _plain_scaler() -> torch.amp.GradScaler:
+def _plain_scaler() -> GradScaler:
     # on one process the sharded scaler's all-reduce of the inf checks is the identity: the same arithmetic
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
+    return cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1)
 
 
+@requires_cpu_16_mixed
+@requires_cpu_sharded_grad_scaler
+@requires_cpu_fused("AdamW", "SGD")
 def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
     """torch's fused kernels cannot read ``ShardedGradScaler``'s 1-element inf checks (the plain recipe fails inside
     the step); the plugin reads them as 0-dim and trains exactly like the recipe with fused optimizers."""
@@ -171,6 +184,7 @@ def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
         assert torch.equal(actual, expected)
 
 
+@requires_cpu_sharded_grad_scaler
 def test_fsdp_precision_keeps_the_users_scaler():
     scaler = _scaler()
     assert FSDPPrecision("16-mixed", scaler=scaler).scaler is scaler
@@ -179,6 +193,7 @@ def test_fsdp_precision_keeps_the_users_scaler():
         FSDPPrecision("bf16-mixed", scaler=scaler)
 
 
+@requires_cpu_sharded_grad_scaler
 def test_stock_fsdp_precision_refuses_any_scaler():
     """Negative control: upstream 2.6.6 raises for every user-provided scaler (#19803)."""
     stock = pytest.importorskip("stock_pytorch_lightning.plugins.precision")
@@ -223,6 +238,8 @@ def test_fsdp_strategy_manual_clip_on_cuda():
     assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
 
 
+@requires_cpu_16_mixed
+@requires_cpu_sharded_grad_scaler
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_fabric_fsdp_precision_follows_the_recipe(fused):
     """Fabric's ``FSDPPrecision`` shares Fabric's ``MixedPrecision`` recipe: one update per iteration for two optimizers
