@@ -74,6 +74,7 @@ docs: setup
 bench:
 	TORCH="$(TORCH)" PYTHON="$(PYTHON)" bash benchmarks/setup.sh
 	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
+	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
 ## pr: our patches, upstream test patches, our files and CHANGELOG entries as a new branch of an upstream clone
 pr:

@@ -2,7 +2,7 @@
 
 Usage (after ``bash benchmarks/setup.sh``, which creates ``benchmarks/.venvs/{torch,fork,stock}``)::
 
-    benchmarks/.venvs/fork/bin/python benchmarks/run.py                 # CPU: about 5 minutes on 2 cores
+    benchmarks/.venvs/fork/bin/python benchmarks/run.py                 # CPU: about 6 minutes on 2 cores
     benchmarks/.venvs/fork/bin/python benchmarks/run.py --quick         # a 1-minute smoke test, not a measurement
     benchmarks/.venvs/fork/bin/python benchmarks/run.py --device cuda   # the GPU variant (larger default sizes)
     benchmarks/.venvs/fork/bin/python benchmarks/run.py --help          # sizes, rounds, steps, workloads
@@ -18,13 +18,21 @@ virtual environment of its contender (both environments load the same torch file
 
 Workloads (sizes by flag, defaults per device in ``benchmarks/sizes.py``), all trained with AdamW:
 
-* ``mlp``: a plain MLP, automatic and manual optimization, precision 32 and bf16-mixed. Nothing in it reuses a
-  weight, so fork and stock do the same work: fork/stock measures what the fork adds per step. Two A/A rows (one more
-  stock run against stock) show, in the same run, how far apart two identical contenders come out.
+* ``mlp``: a plain MLP, automatic and manual optimization, precision 32, bf16-mixed and 16-mixed. Nothing in it
+  reuses a weight, so fork and stock do the same work: fork/stock measures what the fork adds per step. Two A/A rows
+  (one more stock run against stock) show, in the same run, how far apart two identical contenders come out.
 * ``tied``: one Linear layer applied 8 times per forward; ``rnn``: an ``RNNCell`` unrolled over 16 steps; bf16-mixed,
-  automatic optimization. The fork keeps autocast's weight cache on (the default of its
-  ``MixedPrecision(cache_enabled=None)`` on torch >= 2.11), stock 2.6.6 hard-codes it off, so stock casts each
-  reused weight at every use and keeps every copy for the backward pass.
+  automatic and manual optimization. In automatic optimization the fork keeps autocast's weight cache on (the
+  default of its ``MixedPrecision(cache_enabled=None)`` on torch >= 2.11), stock 2.6.6 hard-codes it off, so stock
+  casts each reused weight at every use and keeps every copy for the backward pass. In manual optimization the
+  fork's default leaves the cache off too (a ``training_step`` may edit weights in place between two forwards): those
+  rows show that the two then do the same work.
+* ``many``: 500 tiny ``Linear(8, 8)`` layers with ``tanh`` (1,000 parameter tensors), ``AdamW(foreach=True)`` for
+  every contender: any work done per parameter shows here, above all the fork's per-parameter gradient hooks, which
+  exist only under 16-mixed in manual optimization. Rows: 16-mixed automatic (with an A/A row) and manual, and
+  bf16-mixed manual (the same mode without a scaler, so without the hooks). Its steps are the slowest, so its runs
+  time ``--many-steps`` steps (default: half of ``--steps``). The report adds the fork-minus-stock time per step, per
+  parameter tensor.
 * ``fused``: AdamW with gradient clipping (``gradient_clip_val``) under 16-mixed with a real ``GradScaler``: the fork
   runs ``AdamW(fused=True)``; stock raises on clipping with a fused optimizer (the runner checks that first), so it
   runs ``fused=False`` (torch's default then: the for-loop implementation on CPU, foreach on CUDA); ``raw`` runs
@@ -87,7 +95,8 @@ COLUMN_NAMES = {
     for metric, name in (("time", "wall time"), ("cpu", "CPU time"), ("mem", "peak mem"))
     for den in ("stock", "raw")
 }
-WORKLOADS = ("mlp", "tied", "rnn", "fused")
+WORKLOADS = ("mlp", "tied", "rnn", "fused", "many")
+LABELS = {"mlp": "MLP", "tied": "tied layer", "rnn": "RNN cell", "fused": "AdamW+clip", "many": "many small layers"}
 
 
 @dataclass
@@ -99,6 +108,8 @@ class Case:
     mode: str  # "auto" or "manual"
     clip: float = 0.0
     fused: dict = field(default_factory=lambda: {"fork": False, "stock": False, "raw": False})
+    foreach: bool | None = None  # AdamW's implementation when not fused (None: torch's default)
+    steps: int | None = None  # timed steps per run, when not ``--steps``
     # A/A check: its "fork" is a second run of stock, so its fork/stock ratio shows the method's own noise and bias
     aa: bool = False
 
@@ -112,26 +123,32 @@ class Case:
 
     def label(self) -> str:
         if self.aa:
-            return f"A/A check: stock vs stock, MLP, {self.precision}, automatic"
-        label = {"mlp": "MLP", "tied": "tied layer", "rnn": "RNN cell", "fused": "AdamW+clip"}[
-            self.workload
-        ]
-        return f"{label}, {self.precision}, {'manual' if self.mode == 'manual' else 'automatic'}"
+            return f"A/A check: stock vs stock, {LABELS[self.workload]}, {self.precision}, automatic"
+        return f"{LABELS[self.workload]}, {self.precision}, {'manual' if self.mode == 'manual' else 'automatic'}"
 
 
-def build_cases(workloads: list[str], clip: float, aa: bool = True) -> list[Case]:
+def build_cases(workloads: list[str], clip: float, aa: bool = True, many_steps: int | None = None) -> list[Case]:
     cases: list[Case] = []
     if "mlp" in workloads:
-        for precision in ("32", "bf16-mixed"):
+        for precision in ("32", "bf16-mixed", "16-mixed"):
             for mode in ("auto", "manual"):
                 cases.append(Case("mlp", precision, mode))
         if aa:
             cases += [Case("mlp", precision, "auto", aa=True) for precision in ("32", "bf16-mixed")]
     for name in ("tied", "rnn"):
         if name in workloads:
-            cases.append(Case(name, "bf16-mixed", "auto"))
+            # automatic: the fork's autocast cache on, stock's off; manual: both off (the fork's default there)
+            cases += [Case(name, "bf16-mixed", mode) for mode in ("auto", "manual")]
     if "fused" in workloads:
         cases.append(Case("fused", "16-mixed", "auto", clip=clip, fused={"fork": True, "stock": False, "raw": True}))
+    if "many" in workloads:
+        # foreach AdamW (every contender), so that the optimizer's own per-tensor loop does not drown the rest.
+        # 16-mixed in both modes (the fork's per-parameter hooks exist only in manual optimization with a scaler), and
+        # bf16-mixed manual: the same mode without a scaler, hence without the hooks
+        many = [("16-mixed", "auto"), ("16-mixed", "manual"), ("bf16-mixed", "manual")]
+        cases += [Case("many", precision, mode, foreach=True, steps=many_steps) for precision, mode in many]
+        if aa:
+            cases.insert(-1, Case("many", "16-mixed", "auto", foreach=True, steps=many_steps, aa=True))
     return cases
 
 
@@ -370,6 +387,42 @@ def chart(rows: list[tuple[Case, dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def per_parameter_cost(rows: list[tuple[Case, dict]], results: dict, rounds: int, tensors: int,
+                       device: str) -> list[str]:
+    """The many-parameter model's fork-minus-stock time per step, in absolute terms and per parameter tensor: what the
+    fork does per parameter (under 16-mixed in manual optimization: one gradient hook per parameter per backward and
+    one optimizer step pre-hook), next to the rows without it."""
+    metric, key = ("cpu", "cpu_times") if device == "cpu" else ("time", "times")
+    cases = [case for case, _ in rows if case.workload == "many"]
+    if not cases:
+        return []
+    out = [
+        f"{'CPU' if metric == 'cpu' else 'Wall'} time per step, fork minus stock (per round: the difference of the "
+        f"two runs' medians; median over rounds, smallest and largest round in brackets), and that difference per "
+        f"parameter tensor ({tensors} tensors). The A/A row is a second stock run minus stock: the run's resolution.",
+        "",
+        "| row | stock per step | fork - stock per step | per parameter tensor |",
+        "| --- | --- | --- | --- |",
+    ]
+    for case in cases:
+        diffs, bases = [], []
+        for r in range(rounds):
+            a, b = results.get((case.name, "fork", r)), results.get((case.name, "stock", r))
+            if not a or not b or "error" in a or "error" in b or not a.get(key) or not b.get(key):
+                continue
+            diffs.append(median(a[key]) - median(b[key]))
+            bases.append(median(b[key]))
+        if not diffs:
+            continue
+        d = Ratio(diffs)
+        out.append(
+            f"| {case.label()} | {median(bases) * 1e3:.1f} ms | {d.mid * 1e3:+.2f} ms ({d.lo * 1e3:+.2f} to "
+            f"{d.hi * 1e3:+.2f}) | {d.mid / tensors * 1e6:+.2f} us ({d.lo / tensors * 1e6:+.2f} to "
+            f"{d.hi / tensors * 1e6:+.2f}) |"
+        )
+    return out
+
+
 def targets(rows: list[tuple[Case, dict]], device: str) -> list[tuple[str, str, str, str, str]]:
     """The issue's targets: (target, measure, criterion, measured, PASS/FAIL), judged on wall time and, on CPU, on CPU
     time too (the steadier measure of the same work on a shared machine)."""
@@ -396,7 +449,8 @@ def targets(rows: list[tuple[Case, dict]], device: str) -> list[tuple[str, str, 
     for metric, measure in time_metrics:
         mlp = [(c, r[(metric, "stock")]) for c, r in rows
                if c.workload == "mlp" and not c.aa and r[(metric, "stock")].per_round]
-        aa = [(c, r[(metric, "stock")]) for c, r in rows if c.aa and r[(metric, "stock")].per_round]
+        aa = [(c, r[(metric, "stock")]) for c, r in rows
+              if c.aa and c.workload == "mlp" and r[(metric, "stock")].per_round]
         if mlp:
             out.append((
                 "MLP: no per-step overhead",
@@ -409,8 +463,8 @@ def targets(rows: list[tuple[Case, dict]], device: str) -> list[tuple[str, str, 
                 + noise_note([ratio for _, ratio in mlp if ratio.mid > 1.02], aa),
             ))
     for case, r in rows:
-        if case.workload not in ("tied", "rnn"):
-            continue
+        if case.workload not in ("tied", "rnn") or case.mode != "auto":
+            continue  # in manual optimization the fork's cache is off by default, as stock's: no gain expected
         for metric, measure in time_metrics:
             t = r[(metric, "stock")]
             out.append((
@@ -451,6 +505,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 7 on cpu, 3 on cuda)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per run, after the warm-up (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of each run (default 5)")
+    p.add_argument("--many-steps", type=int, default=None,
+                   help="timed steps per run of the many-small-layers workload, whose steps are the slowest\n"
+                        "(default: half of --steps)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip of the fused workload (default 1.0)")
     p.add_argument(
@@ -478,6 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.steps, args.warmup = args.rounds or 2, 10, 3
     args.rounds = args.rounds or (7 if args.device == "cpu" else 3)
+    args.many_steps = args.many_steps or max(1, args.steps // 2)
     args.threads = (1 if args.device == "cpu" else 0) if args.threads is None else args.threads
     args.isolation = args.isolation or ("fork" if args.device == "cpu" else "spawn")
     args.interleave = args.interleave or "step"
@@ -501,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.device == "cpu" else f"-{args.device}"
     log_path = out / f"run{suffix}.log"
-    cases = build_cases(args.workloads, args.clip, aa=not args.no_aa)
+    cases = build_cases(args.workloads, args.clip, aa=not args.no_aa, many_steps=args.many_steps)
     command = "benchmarks/.venvs/fork/bin/python benchmarks/run.py" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
@@ -516,8 +574,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = {
                 "impl": "raw" if contender == "raw" else "lightning",
                 "workload": case.workload, "precision": case.precision, "mode": case.mode,
-                "fused": case.fused[contender], "clip": case.clip, "device": args.device,
-                "warmup": args.warmup, "steps": args.steps, "threads": args.threads, "sizes": args.sizes,
+                "fused": case.fused[contender], "foreach": case.foreach, "clip": case.clip, "device": args.device,
+                "warmup": args.warmup, "steps": case.steps or args.steps, "threads": args.threads,
+                "sizes": args.sizes,
             }
             spec.update(over)
             return spec
@@ -542,12 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         results: dict = {}
         versions: dict = {}
         n_runs = 0
-        marks = args.warmup + args.steps + 1
         for r in range(args.rounds):
             for i, session in enumerate(sessions):
                 shift = (r + i) % len(session)
                 order = session[shift:] + session[:shift]  # who starts, and who goes first in free-running order
                 runs = [(f"{c.name}|{who}", "stock" if c.aa else venv_of[who], spec_for(c, who)) for c, who in order]
+                marks = args.warmup + (session[0][0].steps or args.steps) + 1  # one session, one step count
                 done = orchestra.session(runs, args.interleave == "step", marks)
                 n_runs += len(runs)
                 for case, who in order:
@@ -591,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         "rnn": f"RNNCell({sz['rnn_hidden']}) unrolled over {sz['rnn_steps']} steps, batch {sz['rnn_batch']}",
         "fused": f"MLP {sz['fused_depth']} x Linear({sz['fused_width']}), batch {sz['fused_batch']}, AdamW, "
         f"clip_grad_norm {args.clip}: fork fused=True, stock fused=False, raw fused=True",
+        "many": f"{sz['many_layers']} x (Linear({sz['many_width']}) + tanh), {2 * sz['many_layers']} parameter "
+        f"tensors, batch {sz['many_batch']}, AdamW(foreach=True)",
     }
 
     def cache_of(case: Case, contender: str) -> str:
@@ -612,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Run of {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "
         f"{elapsed / 60:.1f} min, {n_runs} measurements in {args.rounds} interleaved rounds; each run: "
-        f"{args.warmup} warm-up steps, then the median of {args.steps} timed steps; "
+        f"{args.warmup} warm-up steps, then the median of {args.steps} timed steps"
+        + (f" ({LABELS['many']}: {args.many_steps})" if "many" in args.workloads else "") + "; "
         f"torch threads per run: {args.threads or 'torch default'}; interleaving: "
         + ("iteration by iteration (lock-step)" if args.interleave == "step" else "run after run")
         + f"; isolation: {args.isolation}.",
@@ -652,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     lines += ["| target | measure | criterion | measured | verdict |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} | {d} | **{e}** |" for a, b, c, d, e in targets(rows, args.device)]
+    per_param = per_parameter_cost(rows, results, args.rounds, 2 * sz["many_layers"], args.device)
+    if per_param:
+        lines += ["", "## Per-parameter work (many small layers)", ""] + per_param
     if premise is not None:
         lines += [
             "",
@@ -672,6 +737,18 @@ def main(argv: list[str] | None = None) -> int:
         "- Peak memory is the growth of the peak during training; for the MLP it is mostly optimizer state and "
         "allocator noise, while in the weight-reusing models stock also keeps one low-precision copy of each reused "
         "weight per use for the backward pass.",
+        "- Tied layer and RNN cell in manual optimization: there the fork leaves autocast's weight cache off by "
+        "default (a `training_step` may edit weights in place between two forwards, which the cache cannot see), as "
+        "stock does: both cast every reused weight at every use, so fork/stock is expected at 1, with none of the "
+        "automatic rows' gain (pass `MixedPrecision(..., cache_enabled=True)` to get it back).",
+        "- Many small layers: 1,000 tiny parameter tensors, so that work done per parameter shows. Only under 16-mixed "
+        "in manual optimization does the fork add such work: a `register_post_accumulate_grad_hook` on every "
+        "parameter (one Python call per parameter per backward, catching `loss.backward()` without the scale) and an "
+        "optimizer `register_step_pre_hook` (catching a step of the raw optimizer on scaled gradients). The automatic "
+        "and the bf16-mixed manual rows have none of it and show what the fork costs there otherwise; in the automatic "
+        "row the fork's autocast cache is on, which a model that uses each weight once only pays for. "
+        "`benchmarks/hook_cost.py` times a backward of the same model with and without the hooks "
+        "([hook_cost.md](hook_cost.md)).",
     ]
     if args.device == "cpu":
         lines.append(

@@ -73,6 +73,23 @@ class UnrolledRNN(nn.Module):
         return nn.functional.mse_loss(self.head(h).float(), y)
 
 
+class ManyLayers(nn.Module):
+    """``layers`` tiny ``Linear(width, width)`` layers (weight and bias: ``2 * layers`` parameter tensors), each
+    followed by ``tanh``: a model with many small parameter tensors, where anything done per parameter per step (a
+    hook, a Python loop over the parameters) is a visible share of the step instead of vanishing behind the matmuls.
+    """
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return nn.functional.mse_loss(h.float(), y)
+
+
 def build_model(workload: str, sizes: dict) -> nn.Module:
     if workload == "mlp":
         return MLP(sizes["mlp_width"], sizes["mlp_depth"])
@@ -82,13 +99,15 @@ def build_model(workload: str, sizes: dict) -> nn.Module:
         return TiedBlock(sizes["tied_width"], sizes["tied_repeats"])
     if workload == "rnn":
         return UnrolledRNN(sizes["rnn_hidden"])
+    if workload == "many":
+        return ManyLayers(sizes["many_width"], sizes["many_layers"])
     raise ValueError(f"unknown workload {workload!r}")
 
 
 def build_batches(workload: str, sizes: dict, device: str, count: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` distinct (input, target) batches, already on ``device``, in float32."""
     gen = torch.Generator().manual_seed(1234)
-    if workload in ("mlp", "fused"):
+    if workload in ("mlp", "fused", "many"):
         width, batch = sizes[f"{workload}_width"], sizes[f"{workload}_batch"]
         x_shape, y_shape = (batch, width), (batch, width)
     elif workload == "tied":
