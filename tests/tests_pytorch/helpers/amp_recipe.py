@@ -557,18 +557,10 @@ def clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) ->
         torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
 
 
-def recipe_plain(rc: RecipeRun, opts: list) -> None:
-    (opt,) = opts
-    for i, (x, y) in rc.batches():
-        opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        rc.scaler.step(opt)
-        rc.scaler.update()
+def recipe_clip(*algorithms: str) -> Callable:
+    """The plain single-optimizer recipe, unscaling once and clipping with each of ``algorithms`` (none: no unscale
+    before the step, which unscales by itself)."""
 
-
-def recipe_clip(algorithm: str) -> Callable:
     def recipe(rc: RecipeRun, opts: list) -> None:
         (opt,) = opts
         for i, (x, y) in rc.batches():
@@ -576,12 +568,17 @@ def recipe_clip(algorithm: str) -> Callable:
             with rc.autocast():
                 loss = rc.inject(mlp_loss(rc.net, x, y), i)
             rc.scaler.scale(loss).backward()
-            rc.scaler.unscale_(opt)
-            clip_reference(rc, opt, algorithm)
+            if algorithms:
+                rc.scaler.unscale_(opt)
+            for algorithm in algorithms:
+                clip_reference(rc, opt, algorithm)
             rc.scaler.step(opt)
             rc.scaler.update()
 
     return recipe
+
+
+recipe_plain = recipe_clip()
 
 
 def recipe_accumulate(rc: RecipeRun, opts: list) -> None:

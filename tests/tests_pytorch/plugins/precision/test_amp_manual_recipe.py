@@ -113,19 +113,8 @@ def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def recipe_clip_value_then_norm(rc: RecipeRun, opts: list) -> None:
-    # unscale once, then both clips
-    (opt,) = opts
-    for i, (x, y) in rc.batches():
-        opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        rc.scaler.unscale_(opt)
-        clip_reference(rc, opt, "value")
-        clip_reference(rc, opt, "norm")
-        rc.scaler.step(opt)
-        rc.scaler.update()
+# unscale once, then both clips
+recipe_clip_value_then_norm = recipe_clip("value", "norm")
 
 
 def _teacher_student_loss(net: TeacherStudent, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

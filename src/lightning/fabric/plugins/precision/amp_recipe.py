@@ -143,6 +143,13 @@ class _OptimizerRecord:
     unscaled_at_update: int = -1
 
 
+_STAGE_OF_TORCH = {
+    _TorchOptState.READY: GradientStage.READY,
+    _TorchOptState.UNSCALED: GradientStage.UNSCALED,
+    _TorchOptState.STEPPED: GradientStage.STEPPED,
+}
+
+
 class _TorchScalerAdapter:
     """The only reader and editor of torch's private per-optimizer scaler state (``GradScaler._per_optimizer_states``).
 
@@ -162,13 +169,7 @@ class _TorchScalerAdapter:
     def stage(self, optimizer: Any) -> Optional[GradientStage]:
         """torch's stage of ``optimizer``, in our terms; ``None`` if torch holds nothing for it."""
         state = self._states().get(id(optimizer))
-        if state is None:
-            return None
-        return {
-            _TorchOptState.READY: GradientStage.READY,
-            _TorchOptState.UNSCALED: GradientStage.UNSCALED,
-            _TorchOptState.STEPPED: GradientStage.STEPPED,
-        }[state["stage"]]
+        return None if state is None else _STAGE_OF_TORCH[state["stage"]]
 
     def adopt(self, optimizer: Any, aliases: Iterable[Any]) -> None:
         """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the wrapped optimizer."""
