@@ -10,7 +10,7 @@ The end-to-end check with the FSDP strategy and fp16 autocast runs only where CU
 import os
 import socket
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -131,15 +131,15 @@ class RecordScale(Callback):
         self.scales.append(trainer.precision_plugin.scaler.get_scale())
 
 
-def _fit(model: LightningModule, record: Callback) -> None:
+def _fit(model: LightningModule, *callbacks: Callback, logger: Any = False) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         trainer = Trainer(
             accelerator="cpu",
             max_epochs=1,
             plugins=[FSDPPrecision("16-mixed", scaler=_scaler())],
-            callbacks=[record],
-            logger=False,
+            callbacks=list(callbacks),
+            logger=logger,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -185,6 +185,19 @@ def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
 
 
 @requires_cpu_sharded_grad_scaler
+def test_loss_scale_monitor_with_fsdp_precision():
+    """``LossScaleMonitor`` reads ``FSDPPrecision``'s scaler (stock's monitor knew only ``MixedPrecision``): it logs the
+    scale each batch ends with, and the one skipped step of the inf batch."""
+    from lightning.pytorch.callbacks import LossScaleMonitor
+    from tests_pytorch.callbacks.test_loss_scale_monitor import CaptureLogger
+
+    record, logger = RecordScale(), CaptureLogger()
+    _fit(TwoOptimizersOneBackward(fused=False), record, LossScaleMonitor(log_every_n_steps=1), logger=logger)
+    logged = [m for _, m in logger.calls if "loss_scale" in m]
+    assert [m["loss_scale"] for m in logged] == record.scales
+    assert logged[-1]["skipped_steps"] == 2.0  # both optimizers' steps of the inf batch
+
+
 def test_fsdp_precision_keeps_the_users_scaler():
     scaler = _scaler()
     assert FSDPPrecision("16-mixed", scaler=scaler).scaler is scaler
