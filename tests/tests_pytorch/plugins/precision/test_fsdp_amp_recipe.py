@@ -198,6 +198,7 @@ def test_loss_scale_monitor_with_fsdp_precision():
     assert logged[-1]["skipped_steps"] == 2.0  # both optimizers' steps of the inf batch
 
 
+@requires_cpu_sharded_grad_scaler
 def test_fsdp_precision_keeps_the_users_scaler():
     scaler = _scaler()
     assert FSDPPrecision("16-mixed", scaler=scaler).scaler is scaler
