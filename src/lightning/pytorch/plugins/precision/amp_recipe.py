@@ -56,7 +56,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """
 
     scaler: Optional[Any]
-    cache_enabled: bool
+    # whether the subclass's autocast caches casts; off unless it says so
+    cache_enabled: bool = False
     # the user left `cache_enabled` unset: `connect` turns the cache on where it is safe, in automatic optimization
     _cache_follows_optimization_mode: bool = False
 
