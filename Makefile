@@ -24,7 +24,7 @@ BRANCH ?=
 REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
 
-.PHONY: setup install test test-oldest-torch test-newest-torch test-matrix demo docs bench pr upstream-test tree export wheel clean
+.PHONY: setup install test test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ bench:
 pr:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
 	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+
+## pr-description: the PR's description from the patch headers, CHANGELOG and upstream-test results -> stdout and
+##        tools/upstream/results/PR.md
+pr-description:
+	$(PYTHON) tools/upstream/pr_description.py
 
 ## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI)
 upstream-test:
