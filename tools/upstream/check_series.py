@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Check that the series is reviewable one concern at a time: claimed files, no churn, every prefix works.
+
+    python tools/upstream/check_series.py                  (make series-check: the claims, then every prefix)
+    python tools/upstream/check_series.py --tests new      (each test file once, at the prefix that adds it)
+    python tools/upstream/check_series.py --tests none     (claims, then each prefix builds and imports)
+    python tools/upstream/check_series.py --claims-only
+
+1. **Claims.** Each of our own files (``src/**``, ``tests/tests_pytorch/**``, ``tests/tests_fabric/**``) is added by
+   exactly one patch, named in its header's ``Adds:`` field (one path a line), or listed in
+   ``tools/upstream/fork-only`` (the fork's packaging tests, which upstream does not need). Each upstream test patch
+   names, in ``Accompanies:``, the patch whose behaviour change it follows (or ``none``). This is what
+   ``make_pr.py`` reads to put every file into the commit of its concern.
+2. **Written once.** No patch removes a line that an earlier patch of the series added (a rewrite or a move): at
+   most ``--max-churn`` (5 %) of the added lines.
+3. **Every prefix.** For k = 1 .. N: upstream's package from the pinned wheel (hash-checked), patches 1..k, and the
+   files patches 1..k add, in a fresh folder; it must byte-compile and import (``lightning``, ``lightning.pytorch``,
+   ``lightning.fabric`` and every module patched so far), and pass the tests its patches add: all of them so far
+   (``--tests all``, the default: a prefix passes the tests of every concern it contains), only the new ones
+   (``--tests new``), or none. Tests run from that folder, so a test that needs a later patch fails here.
+
+Exit status: 0 all good, 1 a check failed (the report says which prefix and why), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _series import HERE, REPO, SOURCE_PATCHES, TEST_PATCHES, Failure, SeriesPatch, git, read_series  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+from forkbuild import assemble, upstream  # noqa: E402
+from forkbuild.patching import apply_patch, parse  # noqa: E402
+from forkbuild.pin import read_pin  # noqa: E402
+
+OWN = ("src", "tests/tests_pytorch", "tests/tests_fabric")
+FORK_ONLY = HERE / "fork-only"
+RESOLUTIONS = HERE / "resolutions"
+MAX_CHURN = 0.05
+PYTEST_INI = """[pytest]
+addopts = -ra --strict-markers --import-mode=importlib -p no:cacheprovider
+pythonpath = tests
+filterwarnings = ignore::DeprecationWarning:lightning_utilities.*
+"""
+
+
+def log(message: str) -> None:
+    print(f"[series-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def adds(patch: SeriesPatch) -> list[str]:
+    return patch.fields().get("Adds", "").split()
+
+
+def fork_only() -> dict[str, str]:
+    """``path  # why`` lines: our files that stay in the fork."""
+    listed = {}
+    for raw in FORK_ONLY.read_text(encoding="utf-8").splitlines() if FORK_ONLY.is_file() else []:
+        path, _, why = raw.partition("#")
+        if path.strip():
+            listed[path.strip()] = why.strip()
+    return listed
+
+
+def own_files() -> list[str]:
+    listed = git(REPO, "ls-files", "--cached", "--others", "--exclude-standard", "--", *OWN).stdout.split()
+    return sorted(p for p in listed if "__pycache__" not in p and not p.endswith((".pyc", ".pyo")))
+
+
+def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) -> list[str]:
+    problems = []
+    claimed: dict[str, str] = {}
+    for patch in patches:
+        for path in adds(patch):
+            if path in claimed:
+                problems.append(f"{path} is added by both {claimed[path]} and {patch.name}")
+            claimed[path] = patch.name
+            if not (REPO / path).is_file():
+                problems.append(f"{patch.name} adds {path}, which does not exist")
+    kept = fork_only()
+    for path in kept:
+        if path in claimed:
+            problems.append(f"{path} is both fork-only and added by {claimed[path]}")
+        if not (REPO / path).is_file():
+            problems.append(f"{FORK_ONLY.name} lists {path}, which does not exist")
+    for path in own_files():
+        if path not in claimed and path not in kept:
+            problems.append(
+                f"{path} belongs to no patch: name it in the `Adds:` field of the patch whose concern it serves,"
+                f" or in tools/upstream/{FORK_ONLY.name} if upstream does not need it"
+            )
+    stems = {p.stem for p in patches}
+    for patch in test_patches:
+        target = patch.fields().get("Accompanies", "").split()
+        if not target:
+            problems.append(f"test patch {patch.name} has no `Accompanies:` field (a patch of the series, or none)")
+        elif target[0] not in stems and target[0].lower().rstrip(":,") != "none":
+            problems.append(f"test patch {patch.name} accompanies {target[0]}, which is not a patch of the series")
+    return problems
+
+
+def churn(patches: list[SeriesPatch]) -> tuple[int, int, list[str]]:
+    """(lines removed that an earlier patch added, lines added, per-patch detail)."""
+    added_before: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    removed_again = total = 0
+    detail = []
+    for patch in patches:
+        target, mine, again = None, collections.defaultdict(list), 0
+        for line in patch.path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("+++ b/"):
+                target = line[6:]
+            elif line.startswith("--- "):
+                continue
+            elif target and line.startswith("-"):
+                if added_before[target][line[1:]] > 0:
+                    added_before[target][line[1:]] -= 1
+                    again += 1
+            elif target and line.startswith("+"):
+                mine[target].append(line[1:])
+        for path, lines in mine.items():
+            added_before[path].update(lines)
+            total += len(lines)
+        removed_again += again
+        if again:
+            detail.append(f"{patch.name} removes {again} line(s) an earlier patch added")
+    return removed_again, total, detail
+
+
+def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
+    """A recorded resolution is a patch of the series as it applies to another base (``resolutions/master/``, for
+    upstream's master, which changed code the series rewrites). It must lead to the code the series leads to:
+
+    - its header is the patch's (Description extended, a ``Resolves:`` field added), for the same files;
+    - every line the patch adds is in its result, or a later resolution of the same file adds it;
+    - it adds nothing but lines the series adds to that file, lines a later resolution removes again, and
+      upstream's own lines that the other base had changed (restored);
+    - the last resolution of each file applies, in reverse, to the file as the whole series leaves it: its result
+      is the series' result.
+
+    All of this is checked offline against the pinned release, so a change to the series that its resolutions do not
+    follow fails here (and in CI), before ``make pr`` meets the other base."""
+    problems = []
+    by_name = {p.name: p for p in patches}
+    folders = sorted(d for d in RESOLUTIONS.iterdir() if d.is_dir()) if RESOLUTIONS.is_dir() else []
+    if not folders:
+        return problems
+    original = upstream_package()
+    final = dict(original)
+    for patch in patches:
+        apply_patch(parse(patch.name, patch.path.read_bytes().decode("utf-8")), final)
+    for folder in folders:
+        chosen = {}
+        for resolution in sorted(folder.glob("*.patch")):
+            where = f"resolutions/{folder.name}/{resolution.name}"
+            if resolution.name not in by_name:
+                problems.append(f"{where} resolves no patch of the series")
+                continue
+            chosen[resolution.name] = resolution
+            mine, theirs = by_name[resolution.name], read_series_patch(resolution)
+            if set(mine.targets()) != set(theirs.targets()):
+                problems.append(f"{where} changes {theirs.targets()}, the patch {mine.targets()}")
+            expected, got = dict(mine.fields()), dict(theirs.fields())
+            if "Resolves" not in got:
+                problems.append(f"{where} has no `Resolves:` field (what it reconciles on {folder.name})")
+            got.pop("Resolves", None)
+            if not got.pop("Description", "").startswith(expected.pop("Description", "")):
+                problems.append(f"{where}: its Description must start with the patch's")
+            if got != expected:
+                problems.append(f"{where}: its header fields differ from the patch's")
+        order = [p.name for p in patches if p.name in chosen]
+        for path in sorted({t for name in chosen for t in by_name[name].targets()}):
+            key = path[len("src/"):]
+            upstream_lines = set(original[key].decode("utf-8").splitlines())
+            names = [n for n in order if path in by_name[n].targets()]
+            series_added = {ln for p in patches if path in p.targets() for ln in changed_lines(p.path, path, "+")}
+            for i, name in enumerate(names):
+                where = f"resolutions/{folder.name}/{name} ({path})"
+                added_here = changed_lines(chosen[name], path, "+")
+                later_added = collections.Counter()
+                later_removed: set[str] = set()
+                for later in names[i + 1:]:
+                    later_added += changed_lines(chosen[later], path, "+")
+                    later_removed |= set(changed_lines(chosen[later], path, "-"))
+                lost = changed_lines(by_name[name].path, path, "+") - (post_image(chosen[name], path) + later_added)
+                if lost:
+                    problems.append(f"{where} does not add what the series' patch adds (re-record it):\n"
+                                    + "".join(f"    {ln}\n" for ln in lost.elements()))
+                extra = [ln for ln in added_here if ln not in series_added | later_removed | upstream_lines]
+                if extra:
+                    problems.append(f"{where} adds lines the series does not (re-record it):\n"
+                                    + "".join(f"    {ln}\n" for ln in extra))
+            if names and not reverse_applies(chosen[names[-1]], path, final[key]):
+                problems.append(f"resolutions/{folder.name}/{names[-1]} does not end {path} where the series does"
+                                " (its result is not the series' result; re-record it)")
+    return problems
+
+
+def changed_lines(patch_path: Path, path: str, sign: str) -> collections.Counter:
+    """The lines a patch adds (``sign="+"``) or removes (``"-"``) in ``path``."""
+    out: collections.Counter = collections.Counter()
+    target = None
+    for line in patch_path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("+++ b/"):
+            target = line[6:]
+        elif line.startswith(("--- ", "diff --git", "index ")):
+            continue
+        elif target == path and line.startswith(sign):
+            out[line[1:]] += 1
+    return out
+
+
+def post_image(patch_path: Path, path: str) -> collections.Counter:
+    """The lines of ``path`` that the patch's hunks leave: context and added lines."""
+    return changed_lines(patch_path, path, "+") + changed_lines(patch_path, path, " ")
+
+
+def reverse_applies(patch_path: Path, path: str, result: bytes) -> bool:
+    """Whether the patch's post-image of ``path`` is found in ``result``: ``git apply -R --check`` on it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / path
+        target.parent.mkdir(parents=True)
+        target.write_bytes(result)
+        done = subprocess.run(["git", "apply", "-R", "--check", f"--include={path}", str(patch_path)], cwd=tmp,
+                              capture_output=True, text=True)
+        return done.returncode == 0
+
+
+def read_series_patch(path: Path) -> SeriesPatch:
+    text = path.read_text(encoding="utf-8")
+    return SeriesPatch(path, text[: text.index("diff --git ")] if "diff --git " in text else text)
+
+
+# --- prefixes --------------------------------------------------------------------------------------------------------
+
+
+def upstream_package() -> dict[str, bytes]:
+    pin = read_pin()
+    folder = HERE / "results" / "wheels"
+    folder.mkdir(parents=True, exist_ok=True)
+    cached = folder / pin.filename
+    wheel = upstream.verify(pin, cached) if cached.is_file() else upstream.obtain(pin, folder)
+    files, dist_info = assemble.read_upstream(wheel)
+    return {name: data for name, data in files.items() if not name.startswith(dist_info)}
+
+
+def write_prefix(root: Path, package: dict[str, bytes], own: list[str]) -> None:
+    src = root / "src"
+    for name, data in package.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    for path in own:
+        target = root / path  # src/lightning/... or tests/...
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((REPO / path).read_bytes())
+    (root / "pytest.ini").write_text(PYTEST_INI, encoding="utf-8")
+
+
+def run_prefix(root: Path, modules: list[str], tests: list[str], python: str, pytest_args: list[str]) -> str | None:
+    """Why the prefix in ``root`` fails, or None."""
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(root / "src")}
+    done = subprocess.run([python, "-m", "compileall", "-q", str(root / "src" / "lightning")], capture_output=True,
+                          text=True, env=env)
+    if done.returncode:
+        return f"does not byte-compile:\n{(done.stdout + done.stderr)[-3000:]}"
+    probe = (
+        "import importlib, sys, lightning, lightning.pytorch, lightning.fabric\n"
+        f"assert lightning.__file__.startswith({str(root)!r}), lightning.__file__\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+    )
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, cwd=root)
+    if done.returncode:
+        return f"does not import:\n{(done.stdout + done.stderr)[-3000:]}"
+    if not tests:
+        return None
+    done = subprocess.run([python, "-m", "pytest", "-q", *pytest_args, *tests], capture_output=True, text=True,
+                          env=env, cwd=root)
+    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    log(f"    {len(tests)} test file(s): {summary}")
+    if done.returncode:
+        return f"its tests fail:\n{(done.stdout + done.stderr)[-6000:]}"
+    return None
+
+
+def module_name(path: str) -> str | None:
+    if not path.startswith("src/") or not path.endswith(".py"):
+        return None
+    name = path[len("src/") : -len(".py")].replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_args: list[str], keep: Path | None,
+                   first: int) -> list[str]:
+    package = upstream_package()
+    problems = []
+    own: list[str] = []
+    modules: list[str] = []
+    tests_so_far: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="series-check-") as tmp:
+        for k, patch in enumerate(patches, start=1):
+            parsed = parse(patch.name, patch.path.read_bytes().decode("utf-8"))
+            apply_patch(parsed, package)
+            modules += [m for m in map(module_name, [f.path for f in parsed.files]) if m and m not in modules]
+            new_files = adds(patch)
+            own += new_files
+            modules += [m for m in map(module_name, new_files) if m and m not in modules]
+            new_tests = [p for p in new_files if Path(p).name.startswith("test_")]
+            tests_so_far += new_tests
+            if k < first:
+                continue
+            tests = {"all": tests_so_far, "new": new_tests, "none": []}[mode]
+            root = (keep or Path(tmp)) / f"{k:04d}"
+            log(f"prefix {k}/{len(patches)}: ... {patch.stem}")
+            write_prefix(root, package, own)
+            why = run_prefix(root, modules, list(tests), python, pytest_args)
+            if why:
+                problems.append(f"prefix 1..{k} (up to {patch.name}) {why}")
+                log(f"    FAILED: {why.splitlines()[0]}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tests", choices=["all", "new", "none"], default="all",
+                        help="which added tests each prefix runs (default: all so far)")
+    parser.add_argument("--claims-only", action="store_true", help="only the claims and the churn")
+    parser.add_argument("--from", dest="first", type=int, default=1, help="start at this prefix (1-based)")
+    parser.add_argument("--keep", type=Path, help="write the prefixes here instead of a temporary folder")
+    parser.add_argument("--max-churn", type=float, default=MAX_CHURN)
+    parser.add_argument("--pytest-args", default="-x", help="extra pytest arguments, one string (default: -x)")
+    args = parser.parse_args(argv)
+    try:
+        patches = read_series(SOURCE_PATCHES)
+        problems = check_claims(patches, read_series(TEST_PATCHES)) + check_resolutions(patches)
+        again, total, detail = churn(patches)
+        share = again / total if total else 0.0
+        log(f"churn: {again} of {total} added lines are removed again by a later patch ({share:.1%})")
+        if share > args.max_churn:
+            problems.append(f"churn {share:.1%} is above {args.max_churn:.0%}:\n  " + "\n  ".join(detail))
+        if problems:
+            print("\n".join(f"- {p}" for p in problems), file=sys.stderr)
+            return 1
+        log(f"claims: every own file belongs to one of {len(patches)} patches or is fork-only")
+        if args.claims_only:
+            return 0
+        problems = check_prefixes(patches, args.tests, sys.executable, args.pytest_args.split(), args.keep, args.first)
+    except Failure as err:
+        print(f"series-check: {err}", file=sys.stderr)
+        return 2
+    if problems:
+        print("\n".join(f"- {p}" for p in problems), file=sys.stderr)
+        return 1
+    log(f"every prefix of the {len(patches)} patches builds, imports and passes its tests ({args.tests})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
