@@ -7,7 +7,10 @@ Standard library only. Two series are read from this repository:
                                (``a/tests/...``); upstream test code may not live in our ``tests/``, so these travel as
                                patches, applied only to an upstream checkout (the PR branch, the upstream-test run)
 
-Both use a ``series`` file (one patch file name a line, ``#`` comments) and DEP-3-like headers.
+Both use a ``series`` file (one patch file name a line, ``#`` comments) and DEP-3-like headers. Besides, a series
+patch's ``Adds:`` field names our own files that come with its concern (``fork-only`` lists those that stay in the
+fork), a test patch's ``Accompanies:`` field the series patch it follows, and ``resolutions/<base>/`` holds recorded
+resolutions: series patches as they apply to another upstream base (``master``), checked by check_series.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SOURCE_PATCHES = REPO / "patches"
 TEST_PATCHES = HERE / "test-patches"
+RESOLUTIONS = HERE / "resolutions"
+FORK_ONLY = HERE / "fork-only"
 
 _FIELD = re.compile(r"^([A-Z][A-Za-z-]*):\s?(.*)$")
 _TARGET = re.compile(r"^\+\+\+ b/(\S+)")
@@ -72,6 +77,15 @@ class SeriesPatch:
         lines.append(f"Patch: {self.name}")
         return "\n".join(lines).strip() + "\n"
 
+    def adds(self) -> list[str]:
+        """Our own files that come with this patch's concern (its ``Adds:`` field, one repository path a line)."""
+        return self.fields().get("Adds", "").split()
+
+    def accompanies(self) -> str | None:
+        """For an upstream test patch: the stem of the series patch whose behaviour change it follows, or None."""
+        value = self.fields().get("Accompanies", "").split()
+        return None if not value or value[0].lower().rstrip(":,") == "none" else value[0]
+
     def targets(self) -> list[str]:
         """The repository paths the patch changes, in order."""
         seen: list[str] = []
@@ -94,10 +108,42 @@ def read_series(folder: Path) -> list[SeriesPatch]:
         path = folder / name
         if not path.is_file():
             raise Failure(f"{series} lists {name}, which does not exist")
-        text = path.read_text(encoding="utf-8")
-        header = re.split(r"^(?:diff --git |--- )", text, maxsplit=1, flags=re.M)[0]
-        patches.append(SeriesPatch(path, header))
+        patches.append(read_patch(path))
     return patches
+
+
+def read_patch(path: Path) -> SeriesPatch:
+    text = path.read_text(encoding="utf-8")
+    header = re.split(r"^(?:diff --git |--- )", text, maxsplit=1, flags=re.M)[0]
+    return SeriesPatch(path, header)
+
+
+def resolutions(folder: Path = RESOLUTIONS) -> dict[str, dict[str, SeriesPatch]]:
+    """Recorded resolutions: base name (``master``) -> series patch name -> that patch as it applies there."""
+    if not folder.is_dir():
+        return {}
+    return {d.name: {p.name: read_patch(p) for p in sorted(d.glob("*.patch"))} for d in sorted(folder.iterdir())
+            if d.is_dir()}
+
+
+def test_resolutions(folder: Path = RESOLUTIONS) -> dict[str, dict[str, SeriesPatch]]:
+    """Base name -> test patch name -> that test patch as it applies there (``resolutions/<base>/test-patches/``):
+    either a test patch of ours recorded for that base (same name), or a test patch only that base needs, for a test
+    that only it has (a new name; its ``Accompanies:`` field says which patch of the series it follows)."""
+    if not folder.is_dir():
+        return {}
+    return {d.name: {p.name: read_patch(p) for p in sorted((d / "test-patches").glob("*.patch"))}
+            for d in sorted(folder.iterdir()) if d.is_dir()}
+
+
+def fork_only(path: Path = FORK_ONLY) -> dict[str, str]:
+    """Our files that stay in the fork (``path  # why`` lines): neither claimed by a patch nor sent upstream."""
+    listed = {}
+    for raw in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        name, _, why = raw.partition("#")
+        if name.strip():
+            listed[name.strip()] = why.strip()
+    return listed
 
 
 def git(cwd: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -34,7 +34,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import HERE, REPO, SOURCE_PATCHES, TEST_PATCHES, Failure, SeriesPatch, git, read_series  # noqa: E402
+from _series import (  # noqa: E402
+    FORK_ONLY,
+    HERE,
+    REPO,
+    RESOLUTIONS,
+    SOURCE_PATCHES,
+    TEST_PATCHES,
+    Failure,
+    SeriesPatch,
+    fork_only,
+    git,
+    read_patch,
+    read_series,
+)
 
 sys.path.insert(0, str(REPO))
 from forkbuild import assemble, upstream  # noqa: E402
@@ -42,8 +55,6 @@ from forkbuild.patching import apply_patch, parse  # noqa: E402
 from forkbuild.pin import read_pin  # noqa: E402
 
 OWN = ("src", "tests/tests_pytorch", "tests/tests_fabric")
-FORK_ONLY = HERE / "fork-only"
-RESOLUTIONS = HERE / "resolutions"
 MAX_CHURN = 0.05
 PYTEST_INI = """[pytest]
 addopts = -ra --strict-markers --import-mode=importlib -p no:cacheprovider
@@ -56,20 +67,6 @@ def log(message: str) -> None:
     print(f"[series-check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def adds(patch: SeriesPatch) -> list[str]:
-    return patch.fields().get("Adds", "").split()
-
-
-def fork_only() -> dict[str, str]:
-    """``path  # why`` lines: our files that stay in the fork."""
-    listed = {}
-    for raw in FORK_ONLY.read_text(encoding="utf-8").splitlines() if FORK_ONLY.is_file() else []:
-        path, _, why = raw.partition("#")
-        if path.strip():
-            listed[path.strip()] = why.strip()
-    return listed
-
-
 def own_files() -> list[str]:
     listed = git(REPO, "ls-files", "--cached", "--others", "--exclude-standard", "--", *OWN).stdout.split()
     return sorted(p for p in listed if "__pycache__" not in p and not p.endswith((".pyc", ".pyo")))
@@ -79,7 +76,7 @@ def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) ->
     problems = []
     claimed: dict[str, str] = {}
     for patch in patches:
-        for path in adds(patch):
+        for path in patch.adds():
             if path in claimed:
                 problems.append(f"{path} is added by both {claimed[path]} and {patch.name}")
             claimed[path] = patch.name
@@ -99,11 +96,10 @@ def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) ->
             )
     stems = {p.stem for p in patches}
     for patch in test_patches:
-        target = patch.fields().get("Accompanies", "").split()
-        if not target:
+        if "Accompanies" not in patch.fields():
             problems.append(f"test patch {patch.name} has no `Accompanies:` field (a patch of the series, or none)")
-        elif target[0] not in stems and target[0].lower().rstrip(":,") != "none":
-            problems.append(f"test patch {patch.name} accompanies {target[0]}, which is not a patch of the series")
+        elif patch.accompanies() is not None and patch.accompanies() not in stems:
+            problems.append(f"test patch {patch.name} accompanies {patch.accompanies()}, not a patch of the series")
     return problems
 
 
@@ -164,7 +160,7 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
                 problems.append(f"{where} resolves no patch of the series")
                 continue
             chosen[resolution.name] = resolution
-            mine, theirs = by_name[resolution.name], read_series_patch(resolution)
+            mine, theirs = by_name[resolution.name], read_patch(resolution)
             if set(mine.targets()) != set(theirs.targets()):
                 problems.append(f"{where} changes {theirs.targets()}, the patch {mine.targets()}")
             expected, got = dict(mine.fields()), dict(theirs.fields())
@@ -175,6 +171,7 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
                 problems.append(f"{where}: its Description must start with the patch's")
             if got != expected:
                 problems.append(f"{where}: its header fields differ from the patch's")
+        problems += check_test_resolutions(folder, chosen, patches)
         order = [p.name for p in patches if p.name in chosen]
         for path in sorted({t for name in chosen for t in by_name[name].targets()}):
             key = path[len("src/"):]
@@ -200,6 +197,31 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
             if names and not reverse_applies(chosen[names[-1]], path, final[key]):
                 problems.append(f"resolutions/{folder.name}/{names[-1]} does not end {path} where the series does"
                                 " (its result is not the series' result; re-record it)")
+    return problems
+
+
+def check_test_resolutions(folder: Path, chosen: dict[str, Path], patches: list[SeriesPatch]) -> list[str]:
+    """Test patches for the other base: a recorded one keeps its header (Description extended, ``Resolves:``); one
+    that only that base needs follows a patch the base has a resolution of. Their content is checked where the
+    other base's tests are, by ``make pr`` and ``make upstream-test``."""
+    problems = []
+    ours = {p.name: p for p in read_series(TEST_PATCHES)}
+    stems = {by.stem for by in patches if by.name in chosen}
+    for path in sorted((folder / "test-patches").glob("*.patch")):
+        where = f"resolutions/{folder.name}/test-patches/{path.name}"
+        theirs = read_patch(path)
+        if path.name in ours:
+            expected, got = dict(ours[path.name].fields()), dict(theirs.fields())
+            if "Resolves" not in got:
+                problems.append(f"{where} has no `Resolves:` field (what it reconciles on {folder.name})")
+            got.pop("Resolves", None)
+            if not got.pop("Description", "").startswith(expected.pop("Description", "")):
+                problems.append(f"{where}: its Description must start with the test patch's")
+            if got != expected:
+                problems.append(f"{where}: its header fields differ from the test patch's")
+        elif theirs.accompanies() not in stems:
+            problems.append(f"{where} must accompany a patch that has a {folder.name} resolution, not"
+                            f" {theirs.accompanies()}")
     return problems
 
 
@@ -231,11 +253,6 @@ def reverse_applies(patch_path: Path, path: str, result: bytes) -> bool:
         done = subprocess.run(["git", "apply", "-R", "--check", f"--include={path}", str(patch_path)], cwd=tmp,
                               capture_output=True, text=True)
         return done.returncode == 0
-
-
-def read_series_patch(path: Path) -> SeriesPatch:
-    text = path.read_text(encoding="utf-8")
-    return SeriesPatch(path, text[: text.index("diff --git ")] if "diff --git " in text else text)
 
 
 # --- prefixes --------------------------------------------------------------------------------------------------------
@@ -308,7 +325,7 @@ def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_ar
             parsed = parse(patch.name, patch.path.read_bytes().decode("utf-8"))
             apply_patch(parsed, package)
             modules += [m for m in map(module_name, [f.path for f in parsed.files]) if m and m not in modules]
-            new_files = adds(patch)
+            new_files = patch.adds()
             own += new_files
             modules += [m for m in map(module_name, new_files) if m and m not in modules]
             new_tests = [p for p in new_files if Path(p).name.startswith("test_")]

@@ -1,25 +1,31 @@
 #!/usr/bin/env python3
-"""Turn the fork into a pull-request branch on an upstream Lightning checkout.
+"""Turn the fork into a pull-request branch on an upstream Lightning checkout: one commit per concern.
 
     python3 tools/upstream/make_pr.py --upstream ../pytorch-lightning [--branch NAME]     (make pr UPSTREAM=...)
 
 In that checkout (which must have no uncommitted changes to tracked files) it creates a new branch from the current
-HEAD and commits, in order:
+HEAD (a 2.6.x tag or master) and commits, in order:
 
-1. each patch of ``patches/series``, one commit each (``git apply --index``), the patch's DEP-3 header as the message;
-2. each patch of ``tools/upstream/test-patches/series``: upstream tests that pin the behaviour our patches change on
-   purpose, updated (one commit each, same rules);
-3. the fork's own files, one commit: ``src/**`` (our modules), ``tests/tests_pytorch/**``, ``tests/tests_fabric/**``
-   and ``docs/source-pytorch/**`` where present; a file that upstream already has with other content stops the run
-   (upstream files change through patches only);
-4. each patch of ``docs/patches/series``, one commit each: the includes and links that put our pages into upstream's
-   documentation;
-5. the entries of the "Unreleased" section of our ``CHANGELOG.md`` under the unreleased heading of upstream's
-   ``src/lightning/pytorch/CHANGELOG.md`` (and ``src/lightning/fabric/CHANGELOG.md`` for entries that touch Fabric),
-   without our patch numbers.
+1. one commit per patch of ``patches/series``, holding the whole concern: the patch (``git apply --index``), the
+   fork's own files its ``Adds:`` field names (modules and tests, new files in upstream's layout), the upstream test
+   patches of ``tools/upstream/test-patches/`` that accompany it (``Accompanies:``: tests that pin the behaviour it
+   changes on purpose, updated), and its entries of our ``CHANGELOG.md`` "Unreleased" section under the unreleased
+   heading of upstream's ``src/lightning/pytorch/CHANGELOG.md`` (and ``src/lightning/fabric/CHANGELOG.md`` for
+   entries that touch Fabric), without our patch numbers. The message is the patch's DEP-3 header.
+   Where a patch does not apply because that upstream changed the same code (master: #21616, #21436), its recorded
+   resolution ``tools/upstream/resolutions/<base>/<patch>`` is used instead: the same concern and header, the
+   commit message extended by what it reconciles. ``check_series.py`` (in CI) checks offline that every resolution
+   still leads to the code the series leads to.
+2. the test patches that accompany no patch (fixes to upstream tests, e.g. a regex that does not escape the local
+   version label), one commit each;
+3. the documentation: our pages under ``docs/source-pytorch/`` with the first patch of ``docs/patches/series``, then
+   one commit per further docs patch (the includes and links that put our pages into upstream's docs).
 
-A patch that does not apply stops the run with the patch's name and, file by file, git's reason; the checkout is
-then put back exactly as it was (original branch checked out, the new branch deleted). Standard library only.
+Our files listed in ``tools/upstream/fork-only`` (the fork's packaging tests) are left out; a file of ours that no
+patch claims stops the run. A patch that does not apply (nor a resolution of it) stops the run with the patch's name
+and, file by file, git's reason; the checkout is then put back exactly as it was (original branch checked out, the
+new branch deleted). Commits are written with ``git write-tree --missing-ok``, so a partial clone whose large binary
+files are absent works too. Standard library only.
 Exit status: 0 done, 1 a patch or file conflicts, 2 bad usage or an unusable checkout.
 """
 
@@ -29,14 +35,29 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import REPO, SOURCE_PATCHES, TEST_PATCHES, Failure, SeriesPatch, conflicts, git, read_series  # noqa: E402
+from _series import (  # noqa: E402
+    REPO,
+    RESOLUTIONS,
+    SOURCE_PATCHES,
+    TEST_PATCHES,
+    Failure,
+    SeriesPatch,
+    conflicts,
+    fork_only,
+    git,
+    read_series,
+    resolutions,
+    test_resolutions,
+)
 
 OWN_FOLDERS = ("src", "tests/tests_pytorch", "tests/tests_fabric", "docs/source-pytorch")
+DOCS_FOLDER = "docs/source-pytorch"
 SKIP_PARTS = ("__pycache__",)
 SKIP_SUFFIXES = (".pyc", ".pyo")
 CHANGELOGS = {"pytorch": "src/lightning/pytorch/CHANGELOG.md", "fabric": "src/lightning/fabric/CHANGELOG.md"}
@@ -71,26 +92,37 @@ def identity_env(checkout: Path) -> dict[str, str]:
 
 
 def commit(checkout: Path, message: str, env: dict[str, str]) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False, encoding="utf-8") as handle:
-        handle.write(message)
-    try:
-        git(checkout, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-F", handle.name, env=env)
-    finally:
-        os.unlink(handle.name)
-    return git(checkout, "rev-parse", "--short", "HEAD").stdout.strip()
+    """Commit the index. ``write-tree --missing-ok``: a partial clone may lack blobs of files we never touch."""
+    tree = git(checkout, "write-tree", "--missing-ok").stdout.strip()
+    parent = git(checkout, "rev-parse", "HEAD").stdout.strip()
+    done = subprocess.run(["git", "-C", str(checkout), "commit-tree", tree, "-p", parent, "-F", "-"], input=message,
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise Failure(f"`git commit-tree` failed in {checkout}:\n{done.stderr.strip()}")
+    sha = done.stdout.strip()
+    git(checkout, "update-ref", "-m", "make_pr", "HEAD", sha, parent)
+    return sha[:10]
 
 
-def apply_patch(checkout: Path, patch: SeriesPatch, kind: str, env: dict[str, str]) -> str:
+def applicable(checkout: Path, patch: SeriesPatch, kind: str, alternatives: dict[str, SeriesPatch]) -> SeriesPatch:
+    """The patch, or its recorded resolution for this checkout's base when only that applies."""
     reasons = conflicts(checkout, patch)
-    if reasons:
-        files = ", ".join(r.split(":", 1)[0] for r in reasons)
-        raise Conflict(
-            f"{kind} patch {patch.name} does not apply to {checkout} (conflicting file(s): {files}):\n"
-            + "\n".join(f"  {r}" for r in reasons)
-            + "\nrefresh it against this upstream (or rebase it by hand) before opening the PR"
-        )
+    if not reasons:
+        return patch
+    for base, resolution in alternatives.items():
+        if not conflicts(checkout, resolution):
+            return resolution
+    files = ", ".join(r.split(":", 1)[0] for r in reasons)
+    tried = f" (nor its recorded resolution for {', '.join(alternatives)})" if alternatives else ""
+    raise Conflict(
+        f"{kind} patch {patch.name}{tried} does not apply to {checkout} (conflicting file(s): {files}):\n"
+        + "\n".join(f"  {r}" for r in reasons)
+        + "\nrefresh it against this upstream, or record a resolution (CONTRIBUTING.md, 'Recorded resolutions')"
+    )
+
+
+def apply_index(checkout: Path, patch: SeriesPatch) -> None:
     git(checkout, "apply", "--index", "--whitespace=nowarn", str(patch.path))
-    return commit(checkout, patch.commit_message(), env)
 
 
 def own_files(repo: Path) -> dict[str, Path]:
@@ -106,49 +138,45 @@ def own_files(repo: Path) -> dict[str, Path]:
     return files
 
 
-def lay_own_files(checkout: Path, repo: Path, env: dict[str, str]) -> tuple[str | None, list[str]]:
-    files = own_files(repo)
-    clashes, written = [], []
-    for name, source in sorted(files.items()):
-        target = checkout / name
-        if target.exists():
-            if target.is_file() and target.read_bytes() == source.read_bytes():
-                continue
-            clashes.append(name)
+def lay(checkout: Path, repo: Path, names: list[str]) -> list[str]:
+    """Copy our files ``names`` into the checkout and stage them; refuse to overwrite an upstream file."""
+    clashes = [n for n in names if (checkout / n).exists() and (checkout / n).read_bytes() != (repo / n).read_bytes()]
     if clashes:
         raise Conflict(
             "our own files would overwrite upstream files (change those through a patch instead):\n"
             + "\n".join(f"  {name}" for name in clashes)
         )
-    for name, source in sorted(files.items()):
+    written = []
+    for name in names:
         target = checkout / name
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        shutil.copyfile(repo / name, target)
         written.append(name)
-    if not written:
-        return None, []
-    git(checkout, "add", "--", *written)
-    message = (
-        "Add the fork's own modules and tests\n\n"
-        "New files only, in upstream's layout: the modules the patches use and the tests that prove the behaviour\n"
-        "against PyTorch's AMP recipe (bitwise, on CPU).\n\n"
-        + "\n".join(f"- {name}" for name in written)
-        + "\n"
-    )
-    return commit(checkout, message, env), written
+    if written:
+        git(checkout, "add", "--", *written)
+    return written
+
+
+def unclaimed(repo: Path, source: list[SeriesPatch]) -> list[str]:
+    """Our files (outside the docs) that no patch's ``Adds:`` names and that are not fork-only."""
+    claimed = {path for patch in source for path in patch.adds()} | set(fork_only())
+    return sorted(n for n in own_files(repo) if not n.startswith(DOCS_FOLDER) and n not in claimed)
 
 
 # --- CHANGELOG -------------------------------------------------------------------------------------------------------
 
 
-def read_unreleased(changelog: Path, bugs: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+def read_unreleased(
+    changelog: Path, bugs: dict[str, list[str]] | None = None, keep_numbers: bool = False
+) -> dict[str, list[str]]:
     """Our "Unreleased" section: subsection -> entries, each one line, without our patch numbers. A subsection whose
     title starts with "Fork" (the fork's own packaging) is not upstream's business and is left out.
 
     ``bugs`` maps a patch number ("0001") to the upstream issues of its header's ``Bug:`` field: an entry that links
-    no issue itself gets those links in place of its patch number.
+    no issue itself gets those links in place of its patch number. ``keep_numbers`` keeps the patch numbers at the
+    end of each entry (``..., 0004)``), for the caller to sort entries by patch.
     """
     lines = changelog.read_text(encoding="utf-8").splitlines()
     start = next((i for i, ln in enumerate(lines) if re.match(r"^## \[?unreleased", ln, re.I)), None)
@@ -161,7 +189,7 @@ def read_unreleased(changelog: Path, bugs: dict[str, list[str]] | None = None) -
     def close() -> None:
         nonlocal entry
         if entry is not None and current is not None and not current.lower().startswith("fork"):
-            text = with_issue_links(" ".join(part.strip() for part in entry), bugs or {})
+            text = with_issue_links(" ".join(part.strip() for part in entry), bugs or {}, keep_numbers)
             if text.strip("- "):
                 sections.setdefault(current, []).append(text)
         entry = None
@@ -184,19 +212,20 @@ def read_unreleased(changelog: Path, bugs: dict[str, list[str]] | None = None) -
     return sections
 
 
-def with_issue_links(entry: str, bugs: dict[str, list[str]]) -> str:
+def with_issue_links(entry: str, bugs: dict[str, list[str]], keep_numbers: bool = False) -> str:
     """Replace the entry's patch numbers by the issues their patches answer, unless the entry links an issue."""
     match = re.search(r"(\d{4}(?:\s*,\s*\d{4})*)\)$", entry)
     numbers = re.findall(r"\d{4}", match.group(1)) if match else []
+    suffix = f" ({', '.join(numbers)})" if keep_numbers and numbers else ""
     entry = strip_patch_numbers(entry)
     if "[#" in entry:
-        return entry
+        return entry + suffix
     urls = [url for number in numbers for url in bugs.get(number, [])]
     urls = list(dict.fromkeys(urls))
     if not urls:
-        return entry
+        return entry + suffix
     links = ", ".join(f"[#{url.rstrip('/').rsplit('/', 1)[-1]}]({url})" for url in urls)
-    return f"{entry} ({links})"
+    return f"{entry} ({links}){suffix}"
 
 
 def patch_bugs(patches: list[SeriesPatch]) -> dict[str, list[str]]:
@@ -279,13 +308,30 @@ def _order(name: str) -> int:
     return lowered.index(name.lower()) if name.lower() in lowered else len(SECTION_ORDER)
 
 
-def add_changelog(checkout: Path, repo: Path, env: dict[str, str]) -> str | None:
-    ours = repo / "CHANGELOG.md"
-    if not ours.is_file():
-        return None
-    sections = read_unreleased(ours, patch_bugs(read_series(repo / SOURCE_PATCHES.relative_to(REPO))))
+def changelog_by_patch(changelog: Path, source: list[SeriesPatch]) -> dict[str, dict[str, list[str]]]:
+    """Our "Unreleased" entries grouped by the patch that completes them (the last patch number an entry names;
+    entries that name none go with the last patch), each entry without our patch numbers."""
+    if not changelog.is_file():
+        return {}
+    numbers = [patch.name[:4] for patch in source]
+    grouped: dict[str, dict[str, list[str]]] = {}
+    for section, entries in read_unreleased(changelog, patch_bugs(source), keep_numbers=True).items():
+        for entry in entries:
+            named = [n for n in re.findall(r"\b(\d{4})\b", _trailing_numbers(entry)) if n in numbers]
+            owner = max(named, key=numbers.index) if named else numbers[-1]
+            grouped.setdefault(owner, {}).setdefault(section, []).append(strip_patch_numbers(entry))
+    return grouped
+
+
+def _trailing_numbers(entry: str) -> str:
+    match = re.search(r"(\d{4}(?:\s*,\s*\d{4})*)\)$", entry)
+    return match.group(1) if match else ""
+
+
+def add_changelog(checkout: Path, sections: dict[str, list[str]]) -> None:
+    """Put ``sections`` (subsection -> entries) under upstream's unreleased headings and stage the files."""
     if not sections:
-        return None
+        return
     fabric = {name: [e for e in entries if _FABRIC.search(e)] for name, entries in sections.items()}
     fabric = {name: entries for name, entries in fabric.items() if entries}
     changed = []
@@ -295,17 +341,9 @@ def add_changelog(checkout: Path, repo: Path, env: dict[str, str]) -> str | None
         path = checkout / CHANGELOGS[package]
         if not path.is_file():
             raise Conflict(f"upstream has no {CHANGELOGS[package]} to add our entries to")
-        text = insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package])
-        path.write_text(text, encoding="utf-8")
+        path.write_text(insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package]), encoding="utf-8")
         changed.append(CHANGELOGS[package])
     git(checkout, "add", "--", *changed)
-    message = (
-        "Update the CHANGELOGs\n\n"
-        "The fork's CHANGELOG.md \"Unreleased\" entries under upstream's unreleased heading"
-        + (" (entries that touch Fabric in Fabric's too)" if fabric else "")
-        + ".\n"
-    )
-    return commit(checkout, message, env)
 
 
 # --- main ------------------------------------------------------------------------------------------------------------
@@ -330,24 +368,59 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
     source = read_series(repo / SOURCE_PATCHES.relative_to(REPO))
     tests = read_series(repo / TEST_PATCHES.relative_to(REPO)) if test_patches else []
     report = [f"base {base[:10]} ({original or 'detached HEAD'}) -> branch {branch}"]
+    missing = unclaimed(repo, source)
+    if missing:
+        raise Failure(
+            "our files that no patch claims (name them in the `Adds:` field of their patch, or in"
+            " tools/upstream/fork-only):\n" + "\n".join(f"  {name}" for name in missing)
+        )
+    accompanying: dict[str, list[SeriesPatch]] = {}
+    for test in tests:
+        accompanying.setdefault(test.accompanies() or "", []).append(test)
+    recorded = resolutions(repo / RESOLUTIONS.relative_to(REPO))
+    recorded_tests = test_resolutions(repo / RESOLUTIONS.relative_to(REPO)) if test_patches else {}
+    known_tests = {test.name for test in tests}
+    active: set[str] = set()  # the bases whose resolutions this checkout needed: their own test patches apply too
+    entries = changelog_by_patch(repo / "CHANGELOG.md", source)
     git(checkout, "checkout", "-q", "-b", branch)
     try:
-        for kind, patches in (("source", source), ("test", tests)):
-            for patch in patches:
-                sha = apply_patch(checkout, patch, kind, env)
-                report.append(f"{sha}  {kind} patch {patch.name}: {', '.join(patch.targets())}")
-        sha, written = lay_own_files(checkout, repo, env)
-        if sha:
-            report.append(f"{sha}  own files: {len(written)} new file(s)")
-        for patch in read_series(repo / "docs" / "patches"):
-            # after our pages exist: these include them in upstream's pages
-            sha = apply_patch(checkout, patch, "docs", env)
-            report.append(f"{sha}  docs patch {patch.name}: {', '.join(patch.targets())}")
-        sha = add_changelog(checkout, repo, env)
-        if sha:
-            report.append(f"{sha}  CHANGELOG entries")
+        for patch in source:
+            alternatives = {base_name: found[patch.name] for base_name, found in recorded.items() if patch.name in found}
+            chosen = applicable(checkout, patch, "source", alternatives)
+            if chosen is not patch:
+                active.add(chosen.path.parent.name)
+            apply_index(checkout, chosen)
+            laid = lay(checkout, repo, patch.adds())
+            tests_here = accompanying.get(patch.stem, []) + [
+                extra for base_name in sorted(active) for name, extra in recorded_tests[base_name].items()
+                if name not in known_tests and extra.accompanies() == patch.stem
+            ]
+            for test in tests_here:
+                test_alternatives = {b: found[test.name] for b, found in recorded_tests.items() if test.name in found}
+                apply_index(checkout, applicable(checkout, test, "test", test_alternatives))
+            add_changelog(checkout, entries.get(patch.name[:4], {}))
+            message = chosen.commit_message()
+            if tests_here:
+                message += "".join(f"Test-Patch: {test.name}\n" for test in tests_here)
+            sha = commit(checkout, message, env)
+            how = f" (recorded resolution: {chosen.path.parent.name})" if chosen is not patch else ""
+            extras = ", ".join(filter(None, [f"{len(laid)} own file(s)" if laid else "",
+                                             f"{len(tests_here)} test patch(es)" if tests_here else "",
+                                             "CHANGELOG" if patch.name[:4] in entries else ""]))
+            report.append(f"{sha}  {patch.name}{how}: {', '.join(patch.targets())}" + (f" + {extras}" if extras else ""))
+        for test in accompanying.get("", []):
+            apply_index(checkout, applicable(checkout, test, "test", {}))
+            sha = commit(checkout, test.commit_message(), env)
+            report.append(f"{sha}  test patch {test.name}: {', '.join(test.targets())}")
+        pages = sorted(n for n in own_files(repo) if n.startswith(DOCS_FOLDER))
+        for n, patch in enumerate(read_series(repo / "docs" / "patches")):
+            # our pages first: these patches include them in upstream's pages
+            laid = lay(checkout, repo, pages) if n == 0 else []
+            apply_index(checkout, applicable(checkout, patch, "docs", {}))
+            sha = commit(checkout, patch.commit_message(), env)
+            report.append(f"{sha}  docs patch {patch.name}: {', '.join(patch.targets())}"
+                          + (f" + {len(laid)} page(s)" if laid else ""))
     except BaseException:
-        git(checkout, "am", "--abort", check=False)  # nothing uses am, but leave no half-done state of any kind
         git(checkout, "reset", "-q", "--hard", "HEAD", check=False)
         git(checkout, "checkout", "-q", original or base, check=False)
         git(checkout, "branch", "-q", "-D", branch, check=False)

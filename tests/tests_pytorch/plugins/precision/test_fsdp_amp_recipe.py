@@ -35,8 +35,9 @@ CLIP_VALUE = 0.004
 N_BATCHES = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def one_process_group():
+    # per test: upstream's conftest tears the process group down after every test
     if dist.is_initialized():
         yield
         return
