@@ -73,6 +73,7 @@ class SeriesPatch:
         lines = [subject.strip(), ""]
         if body.strip():
             lines += [ln.rstrip() if ln.strip() != "." else "" for ln in body.splitlines()] + [""]
+        fields.pop("Adds", None)  # the commit holds those files; the list belongs to the series, not the history
         lines += [f"{key}: {value}" for key, value in fields.items()]
         lines.append(f"Patch: {self.name}")
         return "\n".join(lines).strip() + "\n"

@@ -372,8 +372,9 @@ def describe(patches: list[SeriesPatch], changelog: Path, results: Path, test_pa
     groups, declared = split_groups(commits, lambda message: None)
     review = f"proposed for review as {len(groups)} PRs" if declared else "no split proposed yet (no `Split:` headers)"
     out = [f"# {TITLE}", "", "## What does this PR do?", "", SUMMARY, "",
-           f"{len(commits)} commits, one concern each (below), then the new modules and tests, the updated upstream "
-           f"tests and the CHANGELOG entries; {review}, see \"Proposed split for review\".", ""]
+           f"{len(commits)} commits, one concern each (below): each holds its patch, the new modules and tests it "
+           f"adds, the upstream tests it updates and its CHANGELOG entries; then the documentation. {review[0].upper()}"
+           f"{review[1:]}, see \"Proposed split for review\".", ""]
     if all_issues:
         out += [closes_line(all_issues), ""]
     out += commits_section(commits)
@@ -393,7 +394,8 @@ def check_adds(commits: list[Commit], repo: Path, warn) -> None:
             if not (repo / p).exists():
                 warn(f"{c.patch.name}: Adds: {p} does not exist in {repo}")
     if named and make_pr is not None and hasattr(make_pr, "own_files"):
-        unnamed = sorted(set(make_pr.own_files(repo)) - named)
+        unnamed = sorted(n for n in set(make_pr.own_files(repo)) - named - set(make_pr.fork_only())
+                         if not n.startswith(make_pr.DOCS_FOLDER))
         if unnamed:
             warn("own files that `make pr` commits but no Adds: names: " + ", ".join(unnamed))
 
