@@ -24,7 +24,8 @@ BRANCH ?=
 REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
 
-.PHONY: setup install test test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
+SERIES_TESTS ?= all
+.PHONY: setup install test series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +81,12 @@ bench:
 pr:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
 	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+
+## series-check: the series reviewable one concern at a time: every file claimed by its patch, no patch rewriting an
+##   earlier one (churn < 5%), the recorded master resolutions following the series, and every prefix building,
+##   importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
+series-check: setup
+	$(PY) tools/upstream/check_series.py --tests $(SERIES_TESTS)
 
 ## pr-description: the PR's description from the patch headers, CHANGELOG and upstream-test results -> stdout and
 ##        tools/upstream/results/PR.md

@@ -268,7 +268,7 @@ def upstream_package() -> dict[str, bytes]:
     return {name: data for name, data in files.items() if not name.startswith(dist_info)}
 
 
-def write_prefix(root: Path, package: dict[str, bytes], own: list[str]) -> None:
+def write_prefix(root: Path, package: dict[str, bytes], own: list[str], repo: Path = REPO) -> None:
     src = root / "src"
     for name, data in package.items():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ def write_prefix(root: Path, package: dict[str, bytes], own: list[str]) -> None:
     for path in own:
         target = root / path  # src/lightning/... or tests/...
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes((REPO / path).read_bytes())
+        target.write_bytes((repo / path).read_bytes())
     (root / "pytest.ini").write_text(PYTEST_INI, encoding="utf-8")
 
 
@@ -314,7 +314,7 @@ def module_name(path: str) -> str | None:
 
 
 def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_args: list[str], keep: Path | None,
-                   first: int) -> list[str]:
+                   first: int = 1, repo: Path = REPO) -> list[str]:
     package = upstream_package()
     problems = []
     own: list[str] = []
@@ -335,7 +335,7 @@ def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_ar
             tests = {"all": tests_so_far, "new": new_tests, "none": []}[mode]
             root = (keep or Path(tmp)) / f"{k:04d}"
             log(f"prefix {k}/{len(patches)}: ... {patch.stem}")
-            write_prefix(root, package, own)
+            write_prefix(root, package, own, repo)
             why = run_prefix(root, modules, list(tests), python, pytest_args)
             if why:
                 problems.append(f"prefix 1..{k} (up to {patch.name}) {why}")

@@ -1,0 +1,112 @@
+"""tools/upstream/check_series.py: the series is reviewable one concern at a time, and each check can fail."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "upstream"))
+
+import check_series  # noqa: E402
+from _series import read_series  # noqa: E402
+
+
+@pytest.fixture
+def upstream_package(upstream_files, monkeypatch):
+    """The pinned release's package files, from the session's verified wheel (no second download)."""
+    package = {name: data for name, data in upstream_files.items() if ".dist-info/" not in name}
+    monkeypatch.setattr(check_series, "upstream_package", lambda: dict(package))
+    return package
+
+
+def _series_copy(tmp_path: Path) -> Path:
+    patches = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", patches)
+    return patches
+
+
+def test_the_series_claims_its_files_is_written_once_and_its_resolutions_follow_it(upstream_package):
+    patches = read_series(REPO / "patches")
+    assert check_series.check_claims(patches, read_series(check_series.TEST_PATCHES)) == []
+    again, total, _ = check_series.churn(patches)
+    assert total > 0
+    assert again / total < check_series.MAX_CHURN
+    assert check_series.check_resolutions(patches) == []
+
+
+def test_a_file_no_patch_claims_is_reported(monkeypatch):
+    patches = read_series(REPO / "patches")
+    real = check_series.own_files()
+    monkeypatch.setattr(check_series, "own_files", lambda: [*real, "tests/tests_pytorch/test_orphan.py"])
+    problems = check_series.check_claims(patches, [])
+    assert any("tests/tests_pytorch/test_orphan.py belongs to no patch" in p for p in problems)
+
+
+def test_a_file_claimed_twice_is_reported(tmp_path):
+    patches = _series_copy(tmp_path)
+    second = patches / "0016-fabric-step-methods-get-the-precision.patch"
+    text = second.read_text()
+    second.write_text(text.replace("Adds: tests/tests_fabric/test_fabric_lightning_module.py",
+                                   "Adds: tests/tests_fabric/test_fabric_lightning_module.py\n"
+                                   " tests/tests_pytorch/helpers/amp_recipe.py"))
+    problems = check_series.check_claims(read_series(patches), read_series(check_series.TEST_PATCHES))
+    assert any("tests/tests_pytorch/helpers/amp_recipe.py is added by both 0004" in p for p in problems)
+
+
+def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
+    (tmp_path / "0001-add.patch").write_text(
+        "Description: add\n\ndiff --git a/src/lightning/x.py b/src/lightning/x.py\n--- a/src/lightning/x.py\n"
+        "+++ b/src/lightning/x.py\n@@ -1 +1,3 @@\n a = 1\n+b = 2\n+c = 3\n"
+    )
+    (tmp_path / "0002-move.patch").write_text(
+        "Description: move\n\ndiff --git a/src/lightning/x.py b/src/lightning/x.py\n--- a/src/lightning/x.py\n"
+        "+++ b/src/lightning/x.py\n@@ -1,3 +1,2 @@\n a = 1\n-b = 2\n c = 3\n"
+    )
+    (tmp_path / "series").write_text("0001-add.patch\n0002-move.patch\n")
+    again, total, detail = check_series.churn(read_series(tmp_path))
+    assert (again, total) == (1, 2)
+    assert detail == ["0002-move.patch removes 1 line(s) an earlier patch added"]
+
+
+def test_a_resolution_the_series_left_behind_fails(tmp_path, upstream_package):
+    """Editing a line that 0005 adds without re-recording master's resolution of 0005 fails offline."""
+    patches = _series_copy(tmp_path)
+    cache = patches / "0005-amp-autocast-weight-cache.patch"
+    text = cache.read_text()
+    assert text.count('+                        " dtype per step.",') == 1
+    cache.write_text(text.replace('+                        " dtype per step.",', '+                        " dtype.",'))
+    problems = check_series.check_resolutions(read_series(patches))
+    assert any("resolutions/master/0005-amp-autocast-weight-cache.patch" in p and "does not end" in p for p in problems)
+
+
+def test_a_resolution_header_must_follow_the_patch(tmp_path, upstream_package):
+    patches = _series_copy(tmp_path)
+    recipe = patches / "0004-amp-follows-the-recipe.patch"
+    recipe.write_text(recipe.read_text().replace("Forwarded: not yet (supersedes", "Forwarded: yes (supersedes", 1))
+    problems = check_series.check_resolutions(read_series(patches))
+    assert any("0004-amp-follows-the-recipe.patch: its header fields differ" in p for p in problems)
+
+
+def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_package):
+    """A test claimed by patch 0001 that needs 0002's hook fails at prefix 1, where the full series passes it."""
+    repo = tmp_path / "repo"
+    test = repo / "tests" / "tests_fabric" / "test_needs_0002.py"
+    test.parent.mkdir(parents=True)
+    test.write_text(
+        "from lightning.fabric.plugins.precision.precision import Precision\n\n\n"
+        "def test_hook():\n    assert hasattr(Precision, 'track_optimizer_wrapper')\n"
+    )
+    patches = _series_copy(tmp_path)
+    first = patches / "0001-precision-training-iteration-hooks.patch"
+    first.write_text(first.read_text().replace("Forwarded:", "Adds: tests/tests_fabric/test_needs_0002.py\nForwarded:", 1))
+    (patches / "series").write_text(
+        "0001-precision-training-iteration-hooks.patch\n0002-precision-tracks-optimizer-wrappers.patch\n"
+    )
+    series = read_series(patches)
+    problems = check_series.check_prefixes(series[:1], "new", sys.executable, ["-x"], None, repo=repo)
+    assert len(problems) == 1
+    assert "prefix 1..1 (up to 0001-precision-training-iteration-hooks.patch) its tests fail" in problems[0]
+    # the same test passes once 0002 is in: prefix 1..2 runs every test claimed so far
+    assert check_series.check_prefixes(series, "all", sys.executable, ["-x"], None, first=2, repo=repo) == []
