@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
-from tests_fabric.helpers.torch_features import autocast_enabled
 from tests_fabric.helpers.amp_fabric import (
     BATCH_SIZE,
     CLIP_NORM,
@@ -58,6 +57,7 @@ from tests_fabric.helpers.amp_fabric import (
     recipe_run,
     uses_scaler,
 )
+from tests_fabric.helpers.torch_features import autocast_enabled
 
 MODES = ("automatic", "manual")
 
@@ -70,7 +70,7 @@ def _quiet():
         yield
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data(dyadic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(31)
     shapes = ((N_BATCHES, BATCH_SIZE, IN_FEATURES), (N_BATCHES, BATCH_SIZE, OUT_FEATURES))
@@ -238,7 +238,7 @@ CELLS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_trainer_run(cell: Cell, automatic: bool) -> Run:
     return trainer_run(cell, automatic)
 

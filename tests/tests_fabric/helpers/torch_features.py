@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Optional
 
 import pytest
 import torch
@@ -91,13 +90,15 @@ requires_cpu_16_mixed = pytest.mark.skipif(
     ),
 )
 requires_cpu_fp16_autocast = pytest.mark.skipif(
-    not CPU_FP16_AUTOCAST, reason=f"fp16 autocast on CPU is missing in this torch (torch 2.1 has only bf16; {_THIS_TORCH})"
+    not CPU_FP16_AUTOCAST,
+    reason=f"fp16 autocast on CPU is missing in this torch (torch 2.1 has only bf16; {_THIS_TORCH})",
 )
 requires_cpu_sharded_grad_scaler = pytest.mark.skipif(
     TORCH < (2, 2), reason=f"ShardedGradScaler takes a device (CPU) from torch 2.2 ({_THIS_TORCH})"
 )
 requires_autocast_enabled_device = pytest.mark.skipif(
-    not AUTOCAST_ENABLED_TAKES_DEVICE, reason=f"torch.is_autocast_enabled(device_type) needs torch >= 2.4 ({_THIS_TORCH})"
+    not AUTOCAST_ENABLED_TAKES_DEVICE,
+    reason=f"torch.is_autocast_enabled(device_type) needs torch >= 2.4 ({_THIS_TORCH})",
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -106,7 +107,8 @@ def requires_cpu_fused(*names: str) -> pytest.MarkDecorator:
     """Skip unless each of ``names`` (``"AdamW"``, ``"SGD"``, ...) has a fused CPU implementation in this torch."""
     missing = [name for name in names if name not in CPU_FUSED]
     return pytest.mark.skipif(
-        bool(missing), reason=f"no fused CPU {'/'.join(missing)} in this torch (torch 2.13 has them, 2.1 none; {_THIS_TORCH})"
+        bool(missing),
+        reason=f"no fused CPU {'/'.join(missing)} in this torch (torch 2.13 has them, 2.1 none; {_THIS_TORCH})",
     )
 
 
@@ -119,7 +121,7 @@ def cpu_precision_params(precisions: list[str]) -> list:
 _CPU_16_MIXED_REASON = requires_cpu_16_mixed.kwargs["reason"]
 
 
-def cpu_grad_scaler(cls: Optional[type] = None, **kwargs) -> torch.amp.GradScaler:
+def cpu_grad_scaler(cls: type | None = None, **kwargs) -> torch.amp.GradScaler:
     """``cls("cpu", **kwargs)`` (``cls``: ``torch.amp.GradScaler`` or a subclass) for a test that trains 16-mixed on
     CPU; where this torch cannot, the calling test skips with the reason. A disabled scaler (``enabled=False``) works
     on every torch (before 2.3 ``cls`` is ``torch.cuda.amp.GradScaler`` or a subclass, which takes no device)."""
@@ -138,9 +140,9 @@ def cuda_grad_scaler(**kwargs) -> torch.amp.GradScaler:
 
 
 def optimizer(cls: type, params, **kwargs) -> torch.optim.Optimizer:
-    """``cls(params, **kwargs)``; with ``fused=True`` on a torch without that fused CPU optimizer, the calling test skips
-    with the reason. ``fused=False`` is dropped where ``cls`` has no ``fused`` argument (``SGD``, ``Adagrad`` in torch
-    2.1)."""
+    """``cls(params, **kwargs)``; with ``fused=True`` on a torch without that fused CPU optimizer, the calling test
+    skips with the reason. ``fused=False`` is dropped where ``cls`` has no ``fused`` argument (``SGD``, ``Adagrad`` in
+    torch 2.1)."""
     if kwargs.get("fused") and cls.__name__ not in CPU_FUSED:
         pytest.skip(requires_cpu_fused(cls.__name__).kwargs["reason"])
     if "fused" in kwargs and not kwargs["fused"] and "fused" not in inspect.signature(cls.__init__).parameters:

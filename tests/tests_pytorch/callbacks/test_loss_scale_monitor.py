@@ -16,16 +16,25 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from tests_fabric.helpers.torch_features import GradScaler
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests_fabric.helpers.torch_features import GradScaler
-from tests_pytorch.helpers.amp_recipe import AUTOCAST_CACHE, N_BATCHES, Positions, make_batches, mlp, mlp_loss
-from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
+from tests_pytorch.helpers.amp_recipe import (
+    AUTOCAST_CACHE,
+    FORK,
+    N_BATCHES,
+    Positions,
+    lightning_api,
+    make_batches,
+    make_trainer,
+    mlp,
+    mlp_loss,
+    quiet_trainer,
+)
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
-from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 INIT_SCALE = 2.0**4
 FORCED = (0, 3, 4)
@@ -41,7 +50,7 @@ def new_scaler() -> GradScaler:
     return _new_scaler(init_scale=INIT_SCALE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recipe(forced=FORCED, optimizers: int = 1) -> tuple[list[float], list[int]]:
     """PyTorch's AMP recipe: the scale after each batch and the number of skipped steps (of all optimizers) so far.
 
@@ -188,8 +197,13 @@ def test_raises_for_16_mixed_that_became_bf16_on_cpu():
     """``Trainer(accelerator="cpu", precision="16-mixed")`` silently trains in bf16 (no scaler): the monitor says so."""
     with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
         cpu_16 = Trainer(
-            accelerator="cpu", precision="16-mixed", max_epochs=1, logger=CaptureLogger(),
-            callbacks=[LossScaleMonitor()], enable_checkpointing=False, enable_progress_bar=False,
+            accelerator="cpu",
+            precision="16-mixed",
+            max_epochs=1,
+            logger=CaptureLogger(),
+            callbacks=[LossScaleMonitor()],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
             enable_model_summary=False,
         )
     with pytest.raises(MisconfigurationException, match="`LossScaleMonitor` needs a gradient scaler"):

@@ -51,12 +51,11 @@ from unittest import mock
 
 import pytest
 import torch
-
 from tests_fabric.helpers.torch_features import GradScaler, optimizer
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss
+
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss, quiet_trainer
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
-from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 BATCHES_PER_EPOCH = 4
 TOTAL = 10  # 2.5 epochs
@@ -148,7 +147,7 @@ CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_class(package: str) -> type:
     pl = lightning_api(package).pl
 
@@ -217,7 +216,7 @@ class Trajectory:
         return {name: [getattr(self, name)[i] for i in keep] for name in names}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recorder_class(package: str) -> type:
     pl = lightning_api(package).pl
 
@@ -297,7 +296,8 @@ def checkpoint_after(dirpath: Path, case: Case, batches: int) -> Path:
 def assert_equal_state(actual: Any, expected: Any, where: str = "") -> None:
     """Nested dicts/lists of tensors and plain values, tensors bitwise (dtype included)."""
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype, where
         assert torch.equal(actual, expected), f"{where}: max abs diff {(actual - expected).abs().max().item()}"
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys(), where
@@ -376,8 +376,10 @@ def test_save_points_cover_the_scaler_state(uninterrupted):
     }
     assert states[2]["scale"] == INIT_SCALE / 2  # batch 1 skipped, batch 2 will be
     assert states[3]["scale"] == INIT_SCALE / 4  # two skips in a row
-    assert states[4]["scale"] == INIT_SCALE / 4 and states[4]["_growth_tracker"] == 1  # the next clean step grows
-    assert states[5]["scale"] == INIT_SCALE / 2 and states[5]["_growth_tracker"] == 0  # grown; the next step skips
+    assert states[4]["scale"] == INIT_SCALE / 4
+    assert states[4]["_growth_tracker"] == 1
+    assert states[5]["scale"] == INIT_SCALE / 2
+    assert states[5]["_growth_tracker"] == 0
     assert {state["growth_interval"] for state in states.values()} == {GROWTH_INTERVAL}
 
 
@@ -491,9 +493,7 @@ def test_checkpoints_of_stock_and_fork_have_the_same_layout(compat_runs):
     assert fork["lr_schedulers"] == stock["lr_schedulers"]
 
 
-@pytest.mark.parametrize(
-    ("saved_by", "resumed_by"), [(STOCK, FORK), (FORK, STOCK)]
-)
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [(STOCK, FORK), (FORK, STOCK)])
 def test_resume_across_stock_and_fork(saved_by, resumed_by, compat_runs):
     """A checkpoint of one resumes in the other, scaler state included, and continues as the resuming package's own
     uninterrupted run (they differ after the skip at batch 5: stock moves its scheduler on it)."""

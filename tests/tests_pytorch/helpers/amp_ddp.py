@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from tests_fabric.helpers.torch_features import GradScaler
 from torch import nn
 
-from tests_fabric.helpers.torch_features import GradScaler
 from tests_pytorch.helpers.amp_fused import make_optimizer
 from tests_pytorch.helpers.amp_recipe import make_batches, mlp
 from tests_pytorch.helpers.amp_recipe import new_scaler as shared_new_scaler

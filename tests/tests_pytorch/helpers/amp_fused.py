@@ -27,10 +27,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from tests_fabric.helpers.torch_features import optimizer
 from torch import nn
 
-from tests_fabric.helpers.torch_features import optimizer
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, mlp, new_scaler, optimizer_params
+from tests_pytorch.helpers.amp_recipe import FORK, mlp, new_scaler, optimizer_params
 from tests_pytorch.helpers.amp_recipe import lightning_api as shared_lightning_api
 from tests_pytorch.helpers.amp_recipe import make_batches as shared_make_batches
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
@@ -62,8 +62,6 @@ def uses_scaler(precision: str) -> bool:
 def default_inf_batch(precision: str) -> Optional[int]:
     # without a scaler an inf would destroy the weights: nothing to skip it
     return INF_BATCH if uses_scaler(precision) else None
-
-
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -134,7 +132,9 @@ def _state_snapshot(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     for p in optimizer_params(opt):
         state = opt.state.get(p, {})
         # torch < 2.2 keeps `momentum_buffer: None` for SGD without momentum: no state
-        snap.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items() if v is not None})
+        snap.append({
+            k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items() if v is not None
+        })
     return snap
 
 
@@ -264,7 +264,7 @@ def recipe_run(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lightning_api(package: str) -> SimpleNamespace:
     """The classes of the fork (:data:`FORK`) or of the unpatched 2.6.6 (:data:`STOCK`, the negative controls)."""
     shared = shared_lightning_api(package)
@@ -358,12 +358,12 @@ def lightning_run(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_lightning_run(optimizer: str, fused: bool, precision: str, clip: str, mode: str) -> Run:
     return lightning_run(optimizer, fused, precision, clip, mode)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_recipe_run(optimizer: str, fused: bool, precision: str, clip: str, mode: str) -> Run:
     return recipe_run(optimizer, fused, precision, clip, mode)
 

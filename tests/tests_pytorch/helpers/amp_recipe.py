@@ -16,7 +16,8 @@ data, the optimizer construction. The orchestration (backward, unscaling, clippi
 written separately on each side, so that a Lightning bug cannot cancel out against the reference.
 
 The Lightning side is built through :func:`lightning_api`, parametrized by the package, so that the very same cells
-can run against the fork (``lightning``) and against the unpatched ``stock_pytorch_lightning`` 2.6.6 (the negative control).
+can run against the fork (``lightning``) and against the unpatched ``stock_pytorch_lightning`` 2.6.6 (the negative
+control).
 
 Design choices that make bugs unable to hide:
 
@@ -41,8 +42,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from packaging.version import Version
-from torch import nn
 from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
+from torch import nn
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
@@ -125,7 +126,7 @@ def new_scaler(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data(n_batches: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n_batches, batch_size, IN_FEATURES, generator=gen)
@@ -405,7 +406,7 @@ def stock_is_unpatched() -> bool:
     return stock.__version__ == "2.6.6"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lightning_api(package: str) -> SimpleNamespace:
     """The Lightning classes from ``package``: the fork (:data:`FORK`) or the unpatched copy (:data:`STOCK`)."""
     name = _pytorch_package(package)
@@ -418,7 +419,9 @@ def lightning_api(package: str) -> SimpleNamespace:
         loss; ``amp_dtype`` the autocast dtype the Trainer
         should use (``None``: none); ``records`` collects what the step saw."""
 
-        def __init__(self, net: nn.Module, configure: Callable, step: Callable, automatic: bool, precision: str) -> None:
+        def __init__(
+            self, net: nn.Module, configure: Callable, step: Callable, automatic: bool, precision: str
+        ) -> None:
             super().__init__()
             self.net = net
             self._configure = configure
@@ -479,7 +482,9 @@ def make_trainer(api: SimpleNamespace, precision: str, scaler=None, callbacks=()
         **kwargs,
     }
     if precision == "16-mixed":
-        kwargs["plugins"] = [api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler())]
+        kwargs["plugins"] = [
+            api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler())
+        ]
     else:
         assert scaler is None
         kwargs["precision"] = "32-true" if precision == "32" else precision
@@ -670,7 +675,9 @@ def recipe_gan(rc: RecipeRun, opts: list) -> None:
         opt_d.zero_grad()
         with rc.autocast():
             fake = net.gen(noise)
-            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(
+                net.disc(fake.detach()), torch.zeros(4, 1)
+            )
             loss_d = rc.inject(loss_d, i)
         rc.scaler.scale(loss_d).backward()
         rc.scaler.step(opt_d)

@@ -42,8 +42,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     cpu_grad_scaler,
@@ -51,10 +49,11 @@ from tests_fabric.helpers.torch_features import (
     optimizer,
     require_cpu_fp16_autocast,
 )
+from torch import nn
+
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     CLIP_NORM,
-    FORK,
     GAN,
     INF_BATCH,
     INIT_SCALE,
@@ -63,12 +62,9 @@ from tests_pytorch.helpers.amp_recipe import (
     OUT_FEATURES,
     PRECISIONS,
     Positions,
-    STOCK,
     RecipeRun,
     RunResult,
     assert_same_run,
-    chunks,
-    clip_reference,
     gan_optimizers,
     inject_inf,
     lightning_api,
@@ -238,7 +234,9 @@ def assert_follows(actual: RunResult, expected: RunResult, records: bool = True)
         assert_same_run(actual, expected)
     except AssertionError as err:
         if actual.params.keys() == expected.params.keys():
-            raise AssertionError(f"{err} (relative error {relative_error(actual.params, expected.params):.3g})") from None
+            raise AssertionError(
+                f"{err} (relative error {relative_error(actual.params, expected.params):.3g})"
+            ) from None
         raise
     if records:
         assert actual.records == expected.records, f"records: {actual.records} != recipe {expected.records}"
@@ -297,7 +295,7 @@ class ScenarioRecipe(RecipeRun):
             }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recipe_outcome(name: str, precision: str) -> RunResult:
     scenario = SCENARIOS[name]
     if scenario.resume is None:
@@ -322,7 +320,7 @@ def recipe_outcome(name: str, precision: str) -> RunResult:
     return rc.result()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_class(package: str) -> type:
     api = lightning_api(package)
 
@@ -386,7 +384,7 @@ def module_class(package: str) -> type:
     return ScenarioModule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def callback_class(package: str) -> type:
     api = lightning_api(package)
 
@@ -412,7 +410,7 @@ def _checkpoint_path(package: str, name: str, precision: str) -> Path:
     return Path(_CHECKPOINTS.name) / f"{package}-{name}-{precision}.ckpt"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
     """Train scenario ``name`` through the Trainer of ``package``; the run, or the error and what it left behind."""
     scenario = SCENARIOS[name]
@@ -469,7 +467,7 @@ def assert_outcome(outcome: Outcome, expected: Any, name: str, precision: str) -
         try:
             assert_follows(outcome.run, recipe, scenario.records)
         except AssertionError as err:
-            assert expected.what in str(err), f"differs otherwise than recorded ({expected.what!r}): {err}"
+            assert expected.what in str(err), f"differs otherwise than recorded ({expected.what!r}): {err}"  # noqa: PT017
             return
         raise AssertionError("stock follows the recipe here, unlike what is recorded: update the record")
     if expected == NO_ERROR:
@@ -488,15 +486,18 @@ def assert_outcome(outcome: Outcome, expected: Any, name: str, precision: str) -
             assert_follows(outcome.run, recipe_outcome(name, precision), scenario.records)
         except AssertionError as why:
             message = f": it trains silently wrong ({why})"
-        except Exception:  # no recipe for this scenario
+        except Exception:  # noqa: S110 (no recipe for this scenario: the message stays short)
             pass
-        raise AssertionError(f"expected {[t.__name__ for t in expected.types]} matching {expected.match!r}, no error{message}")
+        raise AssertionError(
+            f"expected {[t.__name__ for t in expected.types]} matching {expected.match!r}, no error{message}"
+        )
     assert isinstance(err, expected.types), f"expected {[t.__name__ for t in expected.types]}, {_describe(outcome)}"
     assert re.search(expected.match, str(err)), f"message does not match {expected.match!r}: {str(err)!r}"
     if expected.not_match is not None:
         assert not re.search(expected.not_match, str(err)), f"message matches {expected.not_match!r}: {str(err)!r}"
     if expected.cause is not None:
-        assert err.__cause__ is not None and re.search(expected.cause, str(err.__cause__)), f"cause: {err.__cause__!r}"
+        assert err.__cause__ is not None, f"cause: {err.__cause__!r}"
+        assert re.search(expected.cause, str(err.__cause__)), f"cause: {err.__cause__!r}"
     if expected.before_training:
         assert outcome.steps == 0, f"raised only after {outcome.steps} training steps"
     if expected.unchanged:
@@ -985,9 +986,10 @@ def recipe_monitored_accumulation(rc: RecipeRun, opts: list) -> None:
             opt.zero_grad()
     stepped = range(1, rc.stop, 2)
     skipped = [sum(not rc.changed[j] for j in stepped if j <= i) for i in stepped]
-    rc.records.append(
-        ("logged", {"loss_scale": [rc.scales[i] for i in stepped], "skipped_steps": [float(s) for s in skipped]})
-    )
+    rc.records.append((
+        "logged",
+        {"loss_scale": [rc.scales[i] for i in stepped], "skipped_steps": [float(s) for s in skipped]},
+    ))
 
 
 def two_heads_step(self, batch, batch_idx):
@@ -1128,7 +1130,9 @@ def recipe_gan_toggle(rc: RecipeRun, opts: list) -> None:
         net.disc.requires_grad_(True)
         net.gen.requires_grad_(False)
         with rc.autocast():
-            d_loss = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
+            d_loss = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(
+                net.disc(fake.detach()), torch.zeros(4, 1)
+            )
             d_loss = rc.inject_late(d_loss / 2, i)
         rc.scaler.scale(d_loss).backward()
         rc.scaler.step(opt_d)
@@ -1156,6 +1160,7 @@ _gan_adamw = functools.partial(gan_optimizers, name="AdamW")
 _two_sgd = functools.partial(two_optimizers, name="SGD")
 _adamw = functools.partial(one_optimizer, name="AdamW")
 
+
 def _recorded_some(result: RunResult) -> bool:
     """Some batch really did it (PCGrad projected, the clamp clamped)."""
     return any(result.records)
@@ -1168,6 +1173,8 @@ def _skips_some_steps(result: RunResult) -> bool:
 
 #: torch's own message first (the error keeps its type), then the fork's hint
 _NAMES_THE_CACHE_SWITCH = Raises((RuntimeError,), r"(?s)^mat1 and mat2 must have the same dtype.*cache_enabled=False")
+
+
 def _lr_held_on_the_skipped_step(result: RunResult) -> bool:
     lrs = result.records
     return lrs[INF_BATCH] == lrs[INF_BATCH - 1] and lrs[INF_BATCH + 1] != lrs[INF_BATCH]
@@ -1184,233 +1191,385 @@ def _scenarios() -> list[Scenario]:
         Scenario(
             "checkpoint_between_gan_d_step_and_g_backward",
             "12.2.1: trainer.save_checkpoint mid-iteration must not change the live run",
-            gan_between, recipe_gan, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
-            net=_gan, configure=_gan_sgd, save_at=SAVE_AT,
+            gan_between,
+            recipe_gan,
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            net=_gan,
+            configure=_gan_sgd,
+            save_at=SAVE_AT,
         ),
         Scenario(
             "resume_from_checkpoint_between_gan_d_step_and_g_backward",
             "12.2.1: ... and resumes exactly where Lightning's loop continues (it re-runs the batch)",
-            gan_between, recipe_gan, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
-            net=_gan, configure=_gan_sgd, resume=Resume("checkpoint_between_gan_d_step_and_g_backward", RESUME_START),
+            gan_between,
+            recipe_gan,
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            net=_gan,
+            configure=_gan_sgd,
+            resume=Resume("checkpoint_between_gan_d_step_and_g_backward", RESUME_START),
             save_at=SAVE_AT,
         ),
         Scenario(
             "checkpoint_in_on_before_optimizer_step_of_second_optimizer",
             "12.2.1: a callback saving before the second of two optimizers fed by one backward",
-            manual_two_optimizers, recipe_two_optimizers, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
-            configure=_two_sgd, callback={"on_before_optimizer_step": save_in_on_before_second_step}, save_at=SAVE_AT,
+            manual_two_optimizers,
+            recipe_two_optimizers,
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            configure=_two_sgd,
+            callback={"on_before_optimizer_step": save_in_on_before_second_step},
+            save_at=SAVE_AT,
         ),
         Scenario(
             "resume_from_checkpoint_in_on_before_optimizer_step_of_second_optimizer",
             "12.2.1: ... and resumes exactly",
-            manual_two_optimizers, recipe_two_optimizers, P16, EQUAL, {"16-mixed": Differs("scale trajectory")},
-            configure=_two_sgd, save_at=SAVE_AT,
+            manual_two_optimizers,
+            recipe_two_optimizers,
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            configure=_two_sgd,
+            save_at=SAVE_AT,
             resume=Resume("checkpoint_in_on_before_optimizer_step_of_second_optimizer", RESUME_START),
         ),
         Scenario(
             "step_in_on_train_epoch_end",
             "12.2.2: backward every batch, opt.step() in on_train_epoch_end (full-epoch accumulation)",
-            step_backward_every_batch, recipe_epoch_end_step, MIXED_PRECISIONS, EQUAL,
+            step_backward_every_batch,
+            recipe_epoch_end_step,
+            MIXED_PRECISIONS,
+            EQUAL,
             {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
-            hooks={"on_train_epoch_end": epoch_end_step}, batches=EPOCH_BATCHES, epochs=EPOCHS,
+            hooks={"on_train_epoch_end": epoch_end_step},
+            batches=EPOCH_BATCHES,
+            epochs=EPOCHS,
         ),
         Scenario(
             "guard_skips_step_on_nonfinite_grads",
             "12.2.3: clip, find non-finite gradients, skip opt.step(): the scale must still back off",
-            guard_step(set_to_none=True), recipe_guard(set_to_none=True), P16, EQUAL,
-            {"16-mixed": Differs("scale trajectory")}, init_scale=OVERFLOWING_SCALE, sharp=_skips_some_steps,
+            guard_step(set_to_none=True),
+            recipe_guard(set_to_none=True),
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            init_scale=OVERFLOWING_SCALE,
+            sharp=_skips_some_steps,
         ),
         Scenario(
             "guard_skips_step_zero_grad_keeps_zeros",
             "12.2.3 + 12.2.4: the same guard with zero_grad(set_to_none=False)",
-            guard_step(set_to_none=False), recipe_guard(set_to_none=False), P16, EQUAL,
-            {"16-mixed": Differs("scale trajectory")}, init_scale=OVERFLOWING_SCALE, sharp=_skips_some_steps,
+            guard_step(set_to_none=False),
+            recipe_guard(set_to_none=False),
+            P16,
+            EQUAL,
+            {"16-mixed": Differs("scale trajectory")},
+            init_scale=OVERFLOWING_SCALE,
+            sharp=_skips_some_steps,
         ),
         Scenario(
             "step_on_zeroed_grads_without_backward",
             "12.2.4: zero_grad(set_to_none=False), a batch without backward that still steps (momentum)",
-            step_on_zeroed_grads, recipe_step_on_zeroed_grads, MIXED_PRECISIONS, EQUAL,
+            step_on_zeroed_grads,
+            recipe_step_on_zeroed_grads,
+            MIXED_PRECISIONS,
+            EQUAL,
             {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
         ),
         Scenario(
             "two_optimizers_b_clipped_every_batch_stepped_every_second",
             "12.2.5: B's unscaled gradients would receive scaled ones: the clear error of the one-optimizer case",
-            clip_b_every_batch_step_every_second, None, P16, Raises(CLEAR_ERRORS, r"did not step"),
-            {"16-mixed": NO_ERROR}, configure=_two_sgd,
+            clip_b_every_batch_step_every_second,
+            None,
+            P16,
+            Raises(CLEAR_ERRORS, r"did not step"),
+            {"16-mixed": NO_ERROR},
+            configure=_two_sgd,
         ),
         Scenario(
             "pcgrad_autograd_grad_of_scaled_losses",
             "12.2.6: gradient surgery on torch.autograd.grad(scaler.scale(loss_i)) assigned to .grad",
-            pcgrad_step, recipe_pcgrad, PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
+            pcgrad_step,
+            recipe_pcgrad,
+            PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
             sharp=_recorded_some,
         ),
         Scenario(
             "misuse_aux_loss_backward_next_to_manual_backward",
             "12.2.7: aux.backward() next to self.manual_backward(main)",
-            aux_plain_backward, recipe_main_and_aux, P16, _MANUAL_BACKWARD, {"16-mixed": Differs("parameters differ")},
+            aux_plain_backward,
+            recipe_main_and_aux,
+            P16,
+            _MANUAL_BACKWARD,
+            {"16-mixed": Differs("parameters differ")},
         ),
         Scenario(
             "misuse_gan_g_loss_backward",
             "12.2.7: G's loss.backward() after D used manual_backward",
-            manual_gan_step(plain_g_backward=True), recipe_gan, P16, _MANUAL_BACKWARD,
+            manual_gan_step(plain_g_backward=True),
+            recipe_gan,
+            P16,
+            _MANUAL_BACKWARD,
             {"16-mixed": Differs("scale trajectory")},
-            net=_gan, configure=_gan_sgd,
+            net=_gan,
+            configure=_gan_sgd,
         ),
         Scenario(
             "raw_optimizer_step",
             "12.2.7: self.optimizers(use_pl_optimizer=False).step(): raise, or step like the recipe",
-            raw_optimizer_step, recipe_plain, MIXED_PRECISIONS,
-            {"16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"use_pl_optimizer|LightningOptimizer")),
-             "bf16-mixed": EQUAL},
+            raw_optimizer_step,
+            recipe_plain,
+            MIXED_PRECISIONS,
+            {
+                "16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"use_pl_optimizer|LightningOptimizer")),
+                "bf16-mixed": EQUAL,
+            },
             {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL},
         ),
         Scenario(
             "gradient_penalty",
             "12.2.7: torch's AMP gradient-penalty example (autograd.grad of the scaled loss, create_graph)",
-            gradient_penalty_step, recipe_gradient_penalty, PRECISIONS, EQUAL,
+            gradient_penalty_step,
+            recipe_gradient_penalty,
+            PRECISIONS,
+            EQUAL,
             {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
         ),
         Scenario(
             "scaler_disabled_by_the_user",
             "12.2.8: MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
-            manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, scaler=lambda: cpu_grad_scaler(enabled=False),
+            manual_plain_recording,
+            None,
+            P16,
+            Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR},
+            scaler=lambda: cpu_grad_scaler(enabled=False),
         ),
         Scenario(
             "scaler_disabled_by_the_user_automatic",
             "12.2.8: the same in automatic optimization",
-            auto_loss, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, automatic=True, scaler=lambda: cpu_grad_scaler(enabled=False),
+            auto_loss,
+            None,
+            P16,
+            Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR},
+            automatic=True,
+            scaler=lambda: cpu_grad_scaler(enabled=False),
         ),
         Scenario(
             "cuda_scaler_on_cpu",
             "12.2.8: GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
-            manual_plain_recording, None, P16, Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
-            {"16-mixed": NO_ERROR}, scaler=lambda: cuda_grad_scaler(),
+            manual_plain_recording,
+            None,
+            P16,
+            Raises(CLEAR_ERRORS, r"(?i)scaler", before_training=True),
+            {"16-mixed": NO_ERROR},
+            scaler=lambda: cuda_grad_scaler(),
         ),
         Scenario(
             "inplace_inner_update_between_forwards",
             "12.2.9: a Reptile-style inner step written in place between two forwards",
-            reptile_step, recipe_reptile, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            reptile_step,
+            recipe_reptile,
+            MIXED_PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
         ),
         Scenario(
             "inplace_clamp_between_forwards",
             "12.2.9: weights clamped in place after a no_grad forward, before the training forward",
-            clamp_step, recipe_clamp, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            clamp_step,
+            recipe_clamp,
+            MIXED_PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
             sharp=_recorded_some,
         ),
         Scenario(
             "inplace_perturbation_between_forwards",
             "12.2.9: SAM written with autograd.grad: perturb in place, forward/backward, restore, step",
-            sam_step, recipe_sam, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            sam_step,
+            recipe_sam,
+            MIXED_PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
         ),
         Scenario(
             "loss_scale_monitor_under_accumulation",
             "12.2.11: LossScaleMonitor logs once per optimizer step under gradient accumulation",
-            auto_loss, recipe_monitored_accumulation, P16, EQUAL, {"16-mixed": MISSING}, automatic=True,
-            trainer=loss_scale_monitor_trainer, callback={"on_train_end": record_monitor_history},
+            auto_loss,
+            recipe_monitored_accumulation,
+            P16,
+            EQUAL,
+            {"16-mixed": MISSING},
+            automatic=True,
+            trainer=loss_scale_monitor_trainer,
+            callback={"on_train_end": record_monitor_history},
         ),
         Scenario(
             "optimizer_without_gradients",
             "12.2.12: an optimizer whose parameters got no gradient: a clear error or the recipe's skip",
-            two_heads_step, recipe_two_heads, MIXED_PRECISIONS,
+            two_heads_step,
+            recipe_two_heads,
+            MIXED_PRECISIONS,
             {"16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"(?i)gradient")), "bf16-mixed": EQUAL},
             {"16-mixed": Raises((AssertionError,), r"No inf checks", unchanged=False), "bf16-mixed": EQUAL},
-            net=TwoHeads, configure=two_heads_optimizers,
+            net=TwoHeads,
+            configure=two_heads_optimizers,
         ),
         Scenario(
             "nested_autocast_dtype_mismatch_linear_manual",
             "12.2.13: a weight in two low-precision dtypes in manual optimization, where the cache is off by default",
-            weight_in_two_dtypes, None, MIXED_PRECISIONS, NO_ERROR, {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR},
+            weight_in_two_dtypes,
+            None,
+            MIXED_PRECISIONS,
+            NO_ERROR,
+            {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR},
         ),
         Scenario(
             "nested_autocast_dtype_mismatch_linear_automatic",
             "12.2.13: nn.Linear's 'mat1 and mat2 must have the same dtype' (cache on in automatic optimization) keeps"
             " torch's message and type and names the cache switch",
-            weight_in_two_dtypes_automatic, None, MIXED_PRECISIONS,
+            weight_in_two_dtypes_automatic,
+            None,
+            MIXED_PRECISIONS,
             _NAMES_THE_CACHE_SWITCH if AUTOCAST_CACHE else NO_ERROR,
-            {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR}, automatic=True,
+            {"16-mixed": NO_ERROR, "bf16-mixed": NO_ERROR},
+            automatic=True,
         ),
         Scenario(
             "device_mismatch_not_rewritten",
             "12.2.13: a device mismatch worded 'should be the same' keeps its message",
-            device_mismatch_conv, None, MIXED_PRECISIONS,
+            device_mismatch_conv,
+            None,
+            MIXED_PRECISIONS,
             Raises((RuntimeError,), rf"^{re.escape(CONV_DEVICE_MISMATCH)}$", not_match="cache_enabled"),
             {p: Raises((RuntimeError,), rf"^{re.escape(CONV_DEVICE_MISMATCH)}$") for p in MIXED_PRECISIONS},
         ),
         Scenario(
             "device_mismatch_meta_not_rewritten",
             "12.2.13: torch's own device-mismatch error keeps its message",
-            device_mismatch_meta, None, MIXED_PRECISIONS,
+            device_mismatch_meta,
+            None,
+            MIXED_PRECISIONS,
             Raises((RuntimeError,), r"^Tensor on device meta is not on the expected device cpu!$"),
-            {p: Raises((RuntimeError,), r"^Tensor on device meta is not on the expected device cpu!$")
-             for p in MIXED_PRECISIONS},
+            {
+                p: Raises((RuntimeError,), r"^Tensor on device meta is not on the expected device cpu!$")
+                for p in MIXED_PRECISIONS
+            },
             automatic=True,
         ),
         # ---- manual-optimization patterns of real projects ----------------------------------------------------------
         Scenario(
             "gan_d_then_g",
             "pattern: GAN, D step then G's loss through the updated D, two optimizers",
-            manual_gan, recipe_gan, PRECISIONS, EQUAL,
+            manual_gan,
+            recipe_gan,
+            PRECISIONS,
+            EQUAL,
             {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL},
-            net=_gan, configure=_gan_adamw,
+            net=_gan,
+            configure=_gan_adamw,
         ),
         Scenario(
             "gan_toggle_optimizer",
             "pattern: Lightning's GAN example, G then D, toggle_optimizer/untoggle_optimizer around each",
-            gan_toggle_step, recipe_gan_toggle, PRECISIONS, EQUAL,
+            gan_toggle_step,
+            recipe_gan_toggle,
+            PRECISIONS,
+            EQUAL,
             {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL, "32": EQUAL},
-            net=_gan, configure=_gen_then_disc,
+            net=_gan,
+            configure=_gen_then_disc,
         ),
         Scenario(
             "scheduler_steps_unless_step_was_skipped",
             "pattern: a step-interval LR scheduler in manual optimization, not stepped on skipped steps",
-            scheduler_unless_skipped, recipe_scheduler_unless_skipped, P16, EQUAL,
-            {"16-mixed": Raises((AttributeError,), r"step_was_skipped", unchanged=False)}, schedulers=step_lr,
+            scheduler_unless_skipped,
+            recipe_scheduler_unless_skipped,
+            P16,
+            EQUAL,
+            {"16-mixed": Raises((AttributeError,), r"step_was_skipped", unchanged=False)},
+            schedulers=step_lr,
             sharp=_lr_held_on_the_skipped_step,
         ),
         Scenario(
             "accumulate_clip_on_stepping_batches",
             "pattern: gradient accumulation over 2 batches, clipping only on the stepping batches",
-            accumulate_clip_step, recipe_accumulate_clip, PRECISIONS, EQUAL,
+            accumulate_clip_step,
+            recipe_accumulate_clip,
+            PRECISIONS,
+            EQUAL,
             {"16-mixed": Differs("parameters differ"), "bf16-mixed": EQUAL, "32": EQUAL},
         ),
         Scenario(
             "closure",
             "pattern: opt.step(closure) with forward and manual_backward in the closure",
-            manual_closure, recipe_closure, MIXED_PRECISIONS, EQUAL, {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
+            manual_closure,
+            recipe_closure,
+            MIXED_PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL},
         ),
         Scenario(
             "two_optimizers_one_backward",
             "pattern: several optimizers fed by one backward",
-            manual_two_optimizers, recipe_two_optimizers, MIXED_PRECISIONS, EQUAL, _RECIPE_DIFFERS_UNLESS_32,
+            manual_two_optimizers,
+            recipe_two_optimizers,
+            MIXED_PRECISIONS,
+            EQUAL,
+            _RECIPE_DIFFERS_UNLESS_32,
             configure=_two_sgd,
         ),
         Scenario(
             "inner_loop_two_steps_per_batch",
             "pattern: one optimizer stepped twice per training_step (one scale per batch)",
-            manual_multi_step, recipe_multi_step, MIXED_PRECISIONS, EQUAL, _RECIPE_DIFFERS_UNLESS_32,
+            manual_multi_step,
+            recipe_multi_step,
+            MIXED_PRECISIONS,
+            EQUAL,
+            _RECIPE_DIFFERS_UNLESS_32,
         ),
         Scenario(
             "automatic_accumulate_and_clip",
             "pattern: automatic optimization, accumulate_grad_batches=2, gradient_clip_val",
-            auto_loss, recipe_accumulate_clip, PRECISIONS, EQUAL,
-            {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL}, automatic=True,
+            auto_loss,
+            recipe_accumulate_clip,
+            PRECISIONS,
+            EQUAL,
+            {"16-mixed": EQUAL, "bf16-mixed": EQUAL, "32": EQUAL},
+            automatic=True,
             trainer={"accumulate_grad_batches": 2, "gradient_clip_val": CLIP_NORM},
         ),
         Scenario(
             "fused_adamw_clip_manual",
             "pattern: AdamW(fused=True) with clip_gradients in manual optimization",
-            manual_clip("norm"), recipe_clip("norm"), MIXED_PRECISIONS, EQUAL,
+            manual_clip("norm"),
+            recipe_clip("norm"),
+            MIXED_PRECISIONS,
+            EQUAL,
             {p: Raises((RuntimeError,), r"(?i)fused", unchanged=False) for p in MIXED_PRECISIONS},
-            configure=fused_adamw, records=False,
+            configure=fused_adamw,
+            records=False,
         ),
         Scenario(
             "fused_adamw_clip_automatic",
             "pattern: AdamW(fused=True) with gradient_clip_val in automatic optimization",
-            auto_loss, recipe_clip("norm"), MIXED_PRECISIONS, EQUAL,
+            auto_loss,
+            recipe_clip("norm"),
+            MIXED_PRECISIONS,
+            EQUAL,
             {p: Raises((RuntimeError,), r"(?i)fused", unchanged=False) for p in MIXED_PRECISIONS},
-            configure=fused_adamw, automatic=True, trainer={"gradient_clip_val": CLIP_NORM}, records=False,
+            configure=fused_adamw,
+            automatic=True,
+            trainer={"gradient_clip_val": CLIP_NORM},
+            records=False,
         ),
     ]
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+
 from tests_pytorch.helpers.amp_ddp import CASES, CLIP_NORM, INIT_SCALE, STOCK_CASES, Case, Result, recipe_run
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK
 
@@ -69,7 +69,8 @@ def ddp_runs(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"the DDP script did not finish in {TIMEOUT} s:\n{output[-5000:]}")
-    assert proc.returncode == 0 and (outdir / "done").exists(), output[-5000:]
+    assert proc.returncode == 0, output[-5000:]
+    assert (outdir / "done").exists(), output[-5000:]
 
     def load(package: str, run: str, rank: int = 0) -> Result:
         data = torch.load(outdir / f"{package}-{run}-rank{rank}.pt", weights_only=True)
@@ -130,7 +131,8 @@ def global_tolerance(case: Case, expected: Result) -> float:
     if case.optimizer == "AdamW":
         per_step = 1e-2
     else:
-        assert case.optimizer == "SGD-momentum" and case.clip
+        assert case.optimizer == "SGD-momentum"
+        assert case.clip
         per_step = 0.1 * CLIP_NORM / (1 - 0.9)
     return 4 * u * per_step * steps
 

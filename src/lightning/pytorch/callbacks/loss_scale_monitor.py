@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision.amp_recipe import _AMPRecipePrecision
 
 
-
 class LossScaleMonitor(Callback):
     r"""Log the loss scale of ``precision="16-mixed"`` and how many optimizer steps the gradient scaler skipped.
 
@@ -74,13 +73,14 @@ class LossScaleMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.history: dict[str, list[float]] = {"loss_scale": [], "skipped_steps": []}
         self._skipped_before_resume = 0
-        self._plugin: Optional["_AMPRecipePrecision"] = None
+        self._plugin: Optional[_AMPRecipePrecision] = None
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not trainer.loggers:
             raise MisconfigurationException(
-                "Cannot use `LossScaleMonitor` callback with `Trainer` that has no logger: pass a logger to the Trainer."
+                "Cannot use `LossScaleMonitor` callback with `Trainer` that has no logger: pass a logger to the"
+                " Trainer."
             )
         if _scaling_plugin(trainer) is None:
             plugin = trainer.precision_plugin
@@ -133,7 +133,8 @@ class LossScaleMonitor(Callback):
 
 
 def _scaling_plugin(trainer: "pl.Trainer") -> Optional["_AMPRecipePrecision"]:
-    """The precision plugin if it drives a gradient scaler through the recipe (``MixedPrecision``, ``FSDPPrecision``)."""
+    """The precision plugin if it drives a gradient scaler through the recipe (``MixedPrecision``,
+    ``FSDPPrecision``)."""
     from lightning.pytorch.plugins.precision.amp_recipe import _AMPRecipePrecision  # the plugins import the callbacks
 
     plugin = trainer.precision_plugin

@@ -25,7 +25,6 @@ from unittest import mock
 import pytest
 import torch
 
-from tests_fabric.helpers.torch_features import OptState, cpu_grad_scaler
 from tests_fabric.helpers.amp_fabric import (
     CLIP_NORM,
     CLIPS,
@@ -52,6 +51,7 @@ from tests_fabric.helpers.amp_fabric import (
     recipe_run,
     uses_scaler,
 )
+from tests_fabric.helpers.torch_features import OptState, cpu_grad_scaler
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +127,9 @@ def test_clip_by_norm_raises_when_asked_to():
 def test_stock_fabric_clip_by_norm_raises_on_the_overflow_step():
     """Negative control: stock Fabric 2.6.6 raises on a step the scaler would skip (with a non-fused optimizer: it
     cannot clip fused ones at all)."""
-    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"), package="stock_lightning_fabric").train(range(INF_BATCH))
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"), package="stock_lightning_fabric").train(
+        range(INF_BATCH)
+    )
     loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
     loop.fabric.backward(loss)
     with pytest.raises(RuntimeError, match="non-finite"):

@@ -190,9 +190,8 @@ def test_watch_flags_a_plain_backward_before_a_scaled_one():
     recipe = GradScalerRecipe(_scaler())
     recipe.watch_unscaled_backward([opt])
     _loss(net).backward()
-    with pytest.raises(RuntimeError, match="without the loss scale"):
-        with recipe.backward():
-            recipe.scale(_loss(net)).backward()
+    with pytest.raises(RuntimeError, match="without the loss scale"), recipe.backward():
+        recipe.scale(_loss(net)).backward()
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -246,7 +245,7 @@ def test_disabled_scaler_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"enabled=False.*bf16-mixed"):
         _check_scaler_is_enabled(cpu_grad_scaler(enabled=False), "`MixedPrecision`")
     if not torch.cuda.is_available():
-        with pytest.warns(UserWarning):
+        with pytest.warns(UserWarning, match="CUDA is not available"):
             cuda_scaler = cuda_grad_scaler()
         with pytest.raises(ValueError, match=r"CUDA is not available.*GradScaler\('cpu'\)"):
             _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")

@@ -76,7 +76,7 @@ def test_grad_scaler_module_paths():
     The fork imports ``OptState`` from the first and falls back to the second, so ``import lightning`` works on torch
     2.1; the states it compares (``READY``/``UNSCALED``/``STEPPED``) are these three.
     """
-    assert HAS_AMP_GRAD_SCALER == (TORCH >= (2, 3))
+    assert (TORCH >= (2, 3)) == HAS_AMP_GRAD_SCALER
     from torch.cuda.amp.grad_scaler import OptState as CudaOptState
 
     assert CudaOptState is OptState
@@ -92,7 +92,7 @@ def test_is_autocast_enabled_takes_a_device_from_torch_2_4():
     The fork's ``_autocast_enabled(device_type)`` takes ``hasattr(torch, "get_autocast_dtype")`` as the sign of the new
     API, and falls back to the per-device functions.
     """
-    assert AUTOCAST_ENABLED_TAKES_DEVICE == (TORCH >= (2, 4))
+    assert (TORCH >= (2, 4)) == AUTOCAST_ENABLED_TAKES_DEVICE
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # is_autocast_cpu_enabled is deprecated from 2.4
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -116,7 +116,7 @@ def test_cpu_fused_optimizers():
     if TORCH < (2, 2):
         assert not CPU_FUSED
     if TORCH >= (2, 13):
-        assert CPU_FUSED == {"Adam", "AdamW", "SGD", "Adagrad"}
+        assert {"Adam", "AdamW", "SGD", "Adagrad"} == CPU_FUSED
 
 
 def test_autocast_weight_cache_was_stale_under_no_grad_before_torch_2_11():
@@ -164,7 +164,8 @@ def test_per_optimizer_states_is_a_defaultdict_of_ready_states():
     assert isinstance(states, defaultdict)
     assert not states
     assert states.default_factory() == {"stage": OptState.READY, "found_inf_per_device": {}}
-    assert states.get(12345) is None and not states  # .get does not insert
+    assert states.get(12345) is None
+    assert not states
 
 
 def test_disabled_scaler_has_no_per_optimizer_states():
@@ -203,20 +204,19 @@ def test_unscale_records_a_0dim_inf_check_per_device(device):
     reshapes them (``reshape(1)``) to count; fused kernels read them as 0-dim.
     """
     scaler = new_scaler(device)
-    alive = []  # torch keys its per-optimizer state by id(): a collected optimizer's id may come back
     for inf, expected in ((False, 0.0), (True, 1.0)):
         param, opt = param_and_sgd(device)
-        alive.append(opt)
         scaled_backward(scaler, param, inf=inf)
         scaler.unscale_(opt)
         state = scaler._per_optimizer_states[id(opt)]
         assert set(state) == {"stage", "found_inf_per_device"}
         assert state["stage"] is OptState.UNSCALED
         (found_inf,) = state["found_inf_per_device"].values()
-        assert found_inf.shape == () and found_inf.dtype is torch.float32 and found_inf.device.type == device
+        assert found_inf.shape == ()
+        assert found_inf.dtype is torch.float32
+        assert found_inf.device.type == device
         assert found_inf.item() == expected
     param, opt = param_and_sgd(device)
-    alive.append(opt)
     scaled_backward(scaler, param)
     scaler.unscale_(opt)
     assert torch.equal(param.grad, torch.full_like(param, 2.0))
@@ -281,7 +281,8 @@ def test_update_reads_every_entry_and_resets_the_state(device):
     scaler.step(opt)  # a second step in the same iteration, finite
     scaler.update()
     assert scaler.get_scale() == INIT_SCALE / 2  # the first step's inf check counted: backed off
-    assert isinstance(scaler._per_optimizer_states, defaultdict) and not scaler._per_optimizer_states
+    assert isinstance(scaler._per_optimizer_states, defaultdict)
+    assert not scaler._per_optimizer_states
     assert scaler._per_optimizer_states is not states
 
 
@@ -349,7 +350,8 @@ def test_scaler_state_dict_format(device):
     scaler.update()
     state = scaler.state_dict()
     assert set(state) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-    assert state["scale"] == INIT_SCALE * 2 and state["_growth_tracker"] == 0
+    assert state["scale"] == INIT_SCALE * 2
+    assert state["_growth_tracker"] == 0
     other = new_scaler(device)
     other.load_state_dict(copy.deepcopy(state))
     assert other.get_scale() == INIT_SCALE * 2
@@ -406,8 +408,10 @@ def test_scaler_step_passes_grad_scale_none_after_unscale(unscaled):
         assert seen["grad_scale"] is None
     else:
         assert seen["grad_scale"].item() == INIT_SCALE
-    assert seen["found_inf"].shape == () and seen["found_inf"].item() == 0.0
-    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    assert seen["found_inf"].shape == ()
+    assert seen["found_inf"].item() == 0.0
+    assert not hasattr(opt, "grad_scale")
+    assert not hasattr(opt, "found_inf")
 
 
 @requires_cpu_grad_scaler
@@ -478,7 +482,9 @@ def test_fused_sgd_momentum_buffers_after_a_skipped_first_step():
 
 
 @requires_cpu_grad_scaler
-@pytest.mark.skipif(TORCH < (2, 2), reason=f"ShardedGradScaler takes a device from torch 2.2 (this is {torch.__version__})")
+@pytest.mark.skipif(
+    TORCH < (2, 2), reason=f"ShardedGradScaler takes a device from torch 2.2 (this is {torch.__version__})"
+)
 def test_sharded_grad_scaler_records_1_element_inf_checks():
     """``ShardedGradScaler.unscale_`` records ``found_inf_per_device`` with shape ``[1]`` (``GradScaler``: 0-dim); fused
     Adam/AdamW stepped after it fail inside torch ("output with shape [] doesn't match the broadcast shape [1]", torch
@@ -498,7 +504,9 @@ def test_sharded_grad_scaler_records_1_element_inf_checks():
         scaled_backward(scaler, param, inf=True)
         scaler.unscale_(opt)
         (found_inf,) = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
-        assert found_inf.shape == (1,) and found_inf.dtype is torch.float32 and found_inf.item() == 1.0
+        assert found_inf.shape == (1,)
+        assert found_inf.dtype is torch.float32
+        assert found_inf.item() == 1.0
         scaler.step(opt)
         scaler.update()
         assert scaler.get_scale() == INIT_SCALE / 2

@@ -11,15 +11,17 @@
 
 import pytest
 import torch
+from tests_fabric.helpers.torch_features import requires_cpu_fp16_autocast
 from torch import nn
 
 from lightning.fabric.plugins.precision.amp_recipe import _AUTOCAST_CACHE_IS_SAFE
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.plugins.precision.amp import _is_autocast_cache_dtype_mismatch
-from tests_fabric.helpers.torch_features import requires_cpu_fp16_autocast
 
-needs_safe_cache = pytest.mark.skipif(not _AUTOCAST_CACHE_IS_SAFE, reason="autocast's cache is refused before torch 2.11")
+needs_safe_cache = pytest.mark.skipif(
+    not _AUTOCAST_CACHE_IS_SAFE, reason="autocast's cache is refused before torch 2.11"
+)
 
 
 class _Module(LightningModule):
@@ -202,7 +204,9 @@ def _nested(layer: nn.Module, x: torch.Tensor) -> None:
     [
         pytest.param(lambda: _nested(nn.Linear(4, 4), torch.randn(2, 4)), id="linear"),
         pytest.param(lambda: _nested(nn.Conv1d(4, 4, 1), torch.randn(1, 4, 3)), id="conv"),
-        pytest.param(lambda: _nested(lambda x, w=nn.Parameter(torch.randn(4, 4)): x @ w, torch.randn(2, 4)), id="matmul"),
+        pytest.param(
+            lambda: _nested(lambda x, w=nn.Parameter(torch.randn(4, 4)): x @ w, torch.randn(2, 4)), id="matmul"
+        ),
     ],
 )
 @requires_cpu_fp16_autocast
@@ -214,7 +218,9 @@ def test_every_form_of_the_cache_dtype_mismatch_is_recognised(make_error):
     "make_error",
     [
         pytest.param(lambda: nn.Conv1d(4, 4, 1)(torch.randn(1, 4, 3).double()), id="float64-input"),
-        pytest.param(lambda: nn.functional.linear(torch.randn(2, 4).half(), torch.randn(4, 4)), id="float16-vs-float32"),
+        pytest.param(
+            lambda: nn.functional.linear(torch.randn(2, 4).half(), torch.randn(4, 4)), id="float16-vs-float32"
+        ),
         pytest.param(lambda: torch.mm(torch.randn(2, 3), torch.randn(2, 3)), id="shapes"),
     ],
 )

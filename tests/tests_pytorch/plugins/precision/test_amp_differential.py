@@ -55,7 +55,9 @@ needs_stock = pytest.mark.skipif(not stock_is_unpatched(), reason=f"needs the un
 @pytest.mark.parametrize("cell", CELLS)
 def test_fork(cell):
     scenario, precision = _split(cell)
-    assert_outcome(lightning_outcome(FORK, scenario.name, precision), scenario.expected(precision), scenario.name, precision)
+    assert_outcome(
+        lightning_outcome(FORK, scenario.name, precision), scenario.expected(precision), scenario.name, precision
+    )
 
 
 STOCK_CELLS = [cell for cell in CELLS if _split(cell)[0].stock[_split(cell)[1]] != MISSING]
@@ -65,7 +67,9 @@ STOCK_CELLS = [cell for cell in CELLS if _split(cell)[0].stock[_split(cell)[1]] 
 @pytest.mark.parametrize("cell", STOCK_CELLS)
 def test_stock(cell):
     scenario, precision = _split(cell)
-    assert_outcome(lightning_outcome(STOCK, scenario.name, precision), scenario.stock[precision], scenario.name, precision)
+    assert_outcome(
+        lightning_outcome(STOCK, scenario.name, precision), scenario.stock[precision], scenario.name, precision
+    )
 
 
 @needs_stock

@@ -9,11 +9,10 @@ The matrix trains a tiny MLP through the Trainer and through a hand-written PyTo
 (``tests_pytorch/helpers/amp_fused.py`` explains both and what they record).
 """
 
-
 import pytest
 import torch
-
 from tests_fabric.helpers.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
+
 from tests_pytorch.helpers.amp_fused import (
     BITWISE,
     CLIP_NORM,

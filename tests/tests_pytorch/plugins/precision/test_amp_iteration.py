@@ -3,11 +3,11 @@ last optimizer step, and never lost when the scaler's state is saved."""
 
 import pytest
 import torch
+from tests_fabric.helpers.torch_features import cpu_grad_scaler
 from torch import nn
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from tests_fabric.helpers.torch_features import cpu_grad_scaler
 
 
 class TwoStepsPerBatch(LightningModule):

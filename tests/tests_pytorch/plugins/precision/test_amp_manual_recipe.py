@@ -10,9 +10,9 @@ Besides the matrix (``test_matches_the_pytorch_amp_recipe``):
 * ``test_autocast_off_in_backward_clipping_and_step``: autocast is on in the ``training_step`` body and in a closure's
   forward, off in backward, its hooks, clipping, the optimizer step and every scaler call;
 * ``test_loss_backward_instead_of_manual_backward_raises``: the misuse is loud;
-* the negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly those listed
-  in ``STOCK_FAILURES``, in the way recorded there, and pass all others (so the reference agrees with stock wherever
-  stock is right, automatic optimization included);
+* the negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly
+  those listed in ``STOCK_FAILURES``, in the way recorded there, and pass all others (so the reference agrees with
+  stock wherever stock is right, automatic optimization included);
 * self-checks of the reference: the multi-step reference built from torch's AMP primitives is ``GradScaler`` itself for
   one step per batch, and the stale-weight check does catch a stale autocast cache.
 """
@@ -27,21 +27,20 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     autocast_enabled,
     require_cpu_fp16_autocast,
     requires_cpu_fp16_autocast,
 )
+from torch import nn
+
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     CLIP_NORM,
     CLIP_VALUE,
     FORK,
     GAN,
-    INIT_SCALE,
     MIXED_PRECISIONS,
     N_BATCHES,
     OPTIMIZERS,
@@ -53,9 +52,8 @@ from tests_pytorch.helpers.amp_recipe import (
     TeacherStudent,
     assert_recipe_is_sharp,
     assert_same_run,
-    autocast_dtype,
     auto_plain,
-    clip_reference,
+    autocast_dtype,
     fit_lightning,
     fresh_autocast_forward,
     gan_optimizers,
@@ -284,7 +282,9 @@ def check_equivalence(package: str, mode: str, case_name: str, precision: str, o
     if mode == "manual":
         actual = fit_lightning(package, precision, lightning_net, configure, case.manual)
     else:
-        actual = fit_lightning(package, precision, lightning_net, configure, auto_plain, automatic=True, **case.automatic)
+        actual = fit_lightning(
+            package, precision, lightning_net, configure, auto_plain, automatic=True, **case.automatic
+        )
     if case.check_records:
         case.check_records(actual.records, precision)
     if isinstance(net, NestedAutocastNet):
@@ -404,8 +404,9 @@ def check_autocast_off(package: str, precision: str, variant: str) -> None:
     scaler = new_scaler(_RecordingScaler) if precision == "16-mixed" else None
     net = mlp()
     expected_net = copy.deepcopy(net)
-    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", recording_clip), mock.patch.object(
-        torch.nn.utils.clip_grad, "clip_grad_norm_", recording_clip
+    with (
+        mock.patch.object(torch.nn.utils, "clip_grad_norm_", recording_clip),
+        mock.patch.object(torch.nn.utils.clip_grad, "clip_grad_norm_", recording_clip),
     ):
         actual = fit_lightning(
             package,
@@ -487,7 +488,9 @@ def check_misuse_plain_backward(package: str, misuse_at: str) -> None:
     net = mlp()
     configure = functools.partial(one_optimizer, name="SGD")
     with pytest.raises(RuntimeError, match="manual_backward"):
-        fit_lightning(package, "16-mixed", net, configure, manual_plain_backward_from(int(misuse_at)), module_cls=Module)
+        fit_lightning(
+            package, "16-mixed", net, configure, manual_plain_backward_from(int(misuse_at)), module_cls=Module
+        )
     assert len(seen) == 1, "training went on after the misuse"
     for before, after in zip(seen[0], net.parameters()):
         assert torch.equal(before, after), "the misused step changed the weights"
@@ -542,7 +545,11 @@ STOCK_FAILURES = {
     },
     # manual_backward runs under autocast: the backward of the fp32 island is computed in low precision
     **{f"manual:nested_autocast:{prec}:{opt}": _DIFFERS for prec in MIXED_PRECISIONS for opt in OPTIMIZERS},
-    **{f"autocast_off:{prec}:{variant}": (AssertionError, "ran under autocast") for prec in MIXED_PRECISIONS for variant in ("step", "closure")},
+    **{
+        f"autocast_off:{prec}:{variant}": (AssertionError, "ran under autocast")
+        for prec in MIXED_PRECISIONS
+        for variant in ("step", "closure")
+    },
     # loss.backward() in the first batch trips over torch's internal assertion (the scaler never scaled anything) ...
     "misuse_plain_backward:0": (AssertionError, "_scale is None"),
     # ... and after correct batches goes unnoticed: the unscaled gradients are divided by the scale

@@ -27,9 +27,9 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from tests_fabric.helpers.torch_features import GradScaler, optimizer
 from torch.optim.lr_scheduler import LambdaLR, StepLR
 
-from tests_fabric.helpers.torch_features import GradScaler, optimizer
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     N_BATCHES,
@@ -39,10 +39,10 @@ from tests_pytorch.helpers.amp_recipe import (
     make_batches,
     mlp,
     mlp_loss,
+    quiet_trainer,
 )
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
-from tests_pytorch.helpers.amp_recipe import quiet_trainer
 
 #: a small power of two: 8 batches of doubling stay far from fp16's range, so only forced overflows skip a step
 INIT_SCALE = 2.0**4
@@ -148,7 +148,7 @@ def recipe_run(
     return run
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_recipe(optimizer: str, scheduler: Optional[str], forced=FORCED, accumulate: int = 1) -> Run:
     run = recipe_run(optimizer, scheduler, forced, accumulate=accumulate)
     # the recipe is sharp: exactly the forced steps were skipped, all others applied
@@ -163,7 +163,7 @@ def cached_recipe(optimizer: str, scheduler: Optional[str], forced=FORCED, accum
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_class(package: str) -> type:
     pl = lightning_api(package).pl
 
@@ -213,7 +213,7 @@ def module_class(package: str) -> type:
     return SkipModule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recorder_class(package: str) -> type:
     pl = lightning_api(package).pl
 
@@ -342,8 +342,8 @@ def test_step_scheduler_with_gradient_accumulation():
 
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS))
 def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
-    """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or not,
-    so its LR runs ahead of the weights (and PyTorch warns on the skipped first step)."""
+    """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or
+    not, so its LR runs ahead of the weights (and PyTorch warns on the skipped first step)."""
     module = module_class(STOCK)("AdamW", scheduler, automatic=True)
     trainer, record = fit(STOCK, module)
     recipe = cached_recipe("AdamW", scheduler)

@@ -15,11 +15,6 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import FSDPPrecision
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     cpu_grad_scaler,
@@ -28,6 +23,11 @@ from tests_fabric.helpers.torch_features import (
     requires_cpu_fused,
     requires_cpu_sharded_grad_scaler,
 )
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import FSDPPrecision
 
 INIT_SCALE = 2.0**10
 INF_AT = 2
@@ -246,8 +246,15 @@ def test_fsdp_strategy_manual_clip_on_cuda():
             return _loader()
 
     trainer = Trainer(
-        accelerator="cuda", devices=1, strategy="fsdp", precision="16-mixed", max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cuda",
+        devices=1,
+        strategy="fsdp",
+        precision="16-mixed",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(Clip())
     assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
@@ -267,8 +274,11 @@ def test_fabric_fsdp_precision_follows_the_recipe(fused):
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricFSDPPrecision("16-mixed", scaler=_scaler())])
         first, second = _nets()
         optimizers = _optimizers(first, second, fused=fused)
-        (first, opt_first), (second, opt_second) = fabric.setup(first, optimizers[0]), fabric.setup(second, optimizers[1])
-        scaler, scales = fabric.strategy.precision.scaler, []
+        (first, opt_first), (second, opt_second) = (
+            fabric.setup(first, optimizers[0]),
+            fabric.setup(second, optimizers[1]),
+        )
+        scales = []
         for batch_idx, (x, y) in enumerate(_data()):
             opt_first.zero_grad()
             opt_second.zero_grad()

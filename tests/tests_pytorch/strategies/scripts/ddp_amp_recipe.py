@@ -18,7 +18,7 @@ import torch.nn.functional as F
 # tests/ on sys.path, for the shared helper (this file is tests/tests_pytorch/strategies/scripts/...)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests_pytorch.helpers.amp_ddp import (  # noqa: E402
+from tests_pytorch.helpers.amp_ddp import (
     CASES,
     CLIP_NORM,
     STOCK_CASES,
@@ -28,7 +28,7 @@ from tests_pytorch.helpers.amp_ddp import (  # noqa: E402
     make_optimizers,
     new_scaler,
 )
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api  # noqa: E402
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api
 
 
 def api(package: str):

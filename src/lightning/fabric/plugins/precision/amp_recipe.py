@@ -83,7 +83,7 @@ def _handles_unscaling_itself(optimizer: Any) -> bool:
     return _takes_grad_scaler(step)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _takes_grad_scaler(step: Any) -> bool:
     # once per class's `step`: `inspect.signature` is too slow for every optimizer step
     return "grad_scaler" in inspect.signature(step).parameters
@@ -95,7 +95,10 @@ def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
         return
     device = getattr(scaler, "_device", "cuda")
     if not torch.cuda.is_available() and device == "cuda":
-        why = "it is a CUDA scaler (`GradScaler()` or `GradScaler('cuda')`) and CUDA is not available, so torch disabled it"
+        why = (
+            "it is a CUDA scaler (`GradScaler()` or `GradScaler('cuda')`) and CUDA is not available, so torch"
+            " disabled it"
+        )
         if _CPU_GRAD_SCALER_AVAILABLE:
             fix = "pass `scaler=torch.amp.GradScaler('cpu')` for a CPU run, or use `precision='bf16-mixed'`"
         else:
@@ -172,14 +175,17 @@ class _TorchScalerAdapter:
         return None if state is None else _STAGE_OF_TORCH[state["stage"]]
 
     def adopt(self, optimizer: Any, aliases: Iterable[Any]) -> None:
-        """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the wrapped optimizer."""
+        """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the optimizer."""
         states = self._states()
         for alias in aliases:
             alias_state = states.get(id(alias))
             if alias_state is None:
                 continue
             del states[id(alias)]
-            if alias_state["stage"] is not _TorchOptState.READY and self.stage(optimizer) in (None, GradientStage.READY):
+            if alias_state["stage"] is not _TorchOptState.READY and self.stage(optimizer) in (
+                None,
+                GradientStage.READY,
+            ):
                 states[id(optimizer)] = alias_state
 
     def retire(self, optimizer: Any) -> None:
@@ -287,7 +293,7 @@ class GradScalerRecipe:
         self._aliases = aliases
         self.phase = IterationPhase.OUTSIDE
         self._torch = _TorchScalerAdapter(scaler)
-        self._records: "weakref.WeakKeyDictionary[Any, _OptimizerRecord]" = weakref.WeakKeyDictionary()
+        self._records: weakref.WeakKeyDictionary[Any, _OptimizerRecord] = weakref.WeakKeyDictionary()
         self._updates = 0
         self._iteration_found_infs: list[Tensor] = []
         self._skipped_steps: Optional[Tensor] = None
@@ -501,9 +507,7 @@ class GradScalerRecipe:
         for optimizer in optimizers:
             if id(optimizer) not in self._watched:
                 self._watched.add(id(optimizer))
-                self._hook_handles.append(
-                    optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
-                )
+                self._hook_handles.append(optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this)))
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if id(p) in self._watched or not p.requires_grad:
