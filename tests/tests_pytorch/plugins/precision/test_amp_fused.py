@@ -22,7 +22,6 @@ from tests_pytorch.helpers.amp_fused import (
     MODES,
     OPTIMIZERS,
     PRECISIONS,
-    STOCK,
     Tolerance,
     assert_grads_match,
     assert_params_match,
@@ -40,7 +39,7 @@ from tests_pytorch.helpers.amp_fused import (
     scale_exponents,
     uninitialised_memory_is_nan,
 )
-from tests_pytorch.helpers.amp_recipe import quiet_trainer
+from tests_pytorch.helpers.amp_recipe import STOCK, quiet_trainer
 
 
 @pytest.fixture(autouse=True)
