@@ -204,8 +204,10 @@ def test_unscale_records_a_0dim_inf_check_per_device(device):
     reshapes them (``reshape(1)``) to count; fused kernels read them as 0-dim.
     """
     scaler = new_scaler(device)
+    alive = []  # torch keys its per-optimizer state by id(): a collected optimizer's id may come back
     for inf, expected in ((False, 0.0), (True, 1.0)):
         param, opt = param_and_sgd(device)
+        alive.append(opt)
         scaled_backward(scaler, param, inf=inf)
         scaler.unscale_(opt)
         state = scaler._per_optimizer_states[id(opt)]
@@ -217,6 +219,7 @@ def test_unscale_records_a_0dim_inf_check_per_device(device):
         assert found_inf.device.type == device
         assert found_inf.item() == expected
     param, opt = param_and_sgd(device)
+    alive.append(opt)
     scaled_backward(scaler, param)
     scaler.unscale_(opt)
     assert torch.equal(param.grad, torch.full_like(param, 2.0))
