@@ -93,10 +93,12 @@ series-check: setup
 pr-description:
 	$(PYTHON) tools/upstream/pr_description.py
 
-## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI)
+## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI);
+##   with BRANCH=<the PR branch in UPSTREAM>, that branch vs its base (BASE, default master) from source; FULL=1: all CPU tests
 upstream-test:
-	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.6]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/upstream_test.py --upstream "$(UPSTREAM)" --ref "$(REF)" $(UPSTREAM_TEST_ARGS)
+	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.6 | BRANCH=<PR branch> [BASE=master]] [FULL=1]" >&2; exit 2; }
+	$(PYTHON) tools/upstream/upstream_test.py --upstream "$(UPSTREAM)" \
+	  $(if $(BRANCH),--branch "$(BRANCH)" $(if $(BASE),--base "$(BASE)"),--ref "$(REF)") $(if $(FULL),--full) $(UPSTREAM_TEST_ARGS)
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
 tree:

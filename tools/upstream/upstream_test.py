@@ -2,6 +2,16 @@
 """Run upstream Lightning's own tests for the areas the fork touches, against the fork and against stock 2.6.6.
 
     python3 tools/upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.6]     (make upstream-test ...)
+    python3 tools/upstream/upstream_test.py --upstream ../pytorch-lightning --branch lightning-fork/amp.1 [--base master]
+
+The first form (stock vs fork, steps 1-4 below) tests the fork as it installs. The second (base vs branch) tests the
+pull-request branch that ``make pr`` built in the clone against the upstream commit it starts from: one venv
+(``source``: torch, requirements-test.txt and requirements-source.txt, no lightning installed), and each run puts its
+own tree's ``src/`` on ``PYTHONPATH`` with that tree's ``tests/``: ``base`` is the merge base of ``--branch`` and
+``--base`` (master), ``branch`` the branch (test patches and our own test files included, as committed there). The
+test files the branch adds under ``tests/`` are ours: they run on the branch and are reported apart; the files it
+modifies are the test patches' (listed apart, as below). ``--full`` runs the whole CPU suites (``tests_pytorch``,
+``tests_fabric``) instead of the touched areas, in both modes.
 
 1. Two virtual environments (default ``tools/upstream/.venvs/``, ignored by git), both with ``torch==2.13.0`` (CPU)
    and the test requirements of ``tools/upstream/requirements-test.txt``: ``stock`` with ``lightning==2.6.6`` from
@@ -18,7 +28,8 @@
 4. Per-test outcomes are compared. The report (stdout and ``<workdir>/report.md``, ``summary.json``) gives the counts
    and every test that passes on stock and fails on the fork. Tests a test patch changes are listed apart.
 
-Exit status: 0 when no test passes on stock and fails on the fork, 1 when some do, 2 when it could not run.
+Exit status: 0 when no test passes on stock (base) and fails on the fork (branch), 1 when some do (or one of our own
+tests fails on the branch), 2 when it could not run.
 Standard library only; needs network access to the package index for the first venv setup (CI cannot reach
 upstream's repository, so this is a maintainer's command, not part of .ci/run).
 """
@@ -46,6 +57,10 @@ from _series import HERE, REPO, TEST_PATCHES, Failure, git, read_series  # noqa:
 TORCH = "torch==2.13.0"
 STOCK = ["lightning==2.6.6", "pytorch-lightning==2.6.6"]
 REQUIREMENTS = HERE / "requirements-test.txt"
+# base vs branch: upstream's src/ runs from PYTHONPATH, so lightning's own dependencies (and the full suites' extras)
+SOURCE_REQUIREMENTS = HERE / "requirements-source.txt"
+# what a source run exports from each revision (src/version.info is where lightning/__version__.py reads the version)
+SOURCE_PATHS = ("src/lightning", "src/version.info", "tests", "pyproject.toml")
 KEYWORDS = ("MixedPrecision", "GradScaler", "manual_backward", "clip_gradients", "autocast")
 # The areas our patches touch (amp.py, precision.py, core/optimizer.py, training_epoch_loop.py, callbacks/__init__.py)
 AREAS = (
@@ -62,6 +77,7 @@ AREAS = (
     "tests_fabric/plugins/precision",
 )
 SEARCHED = ("tests_pytorch", "tests_fabric")
+SUITES = SEARCHED  # --full runs these whole, and the report counts per suite
 FAILED = ("failed", "error")
 
 
@@ -116,35 +132,60 @@ def setup_venvs(venvs: Path, repo: Path, which: list[str]) -> dict[str, Path]:
     return pythons
 
 
+_PROBE = (
+    "import json, sys, lightning, torch; "
+    "print(json.dumps({'lightning': lightning.__version__, 'file': lightning.__file__, "
+    "'torch': torch.__version__, 'python': sys.version.split()[0]}))"
+)
+
+
 def installed_lightning(python: Path, cwd: Path) -> dict[str, str]:
     """Which ``lightning`` the venv imports from the test folder; refuse a source tree on sys.path."""
-    probe = (
-        "import json, sys, lightning, torch; "
-        "print(json.dumps({'lightning': lightning.__version__, 'file': lightning.__file__, "
-        "'torch': torch.__version__, 'python': sys.version.split()[0]}))"
-    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    info = json.loads(run([str(python), "-c", probe], cwd=cwd, env=env).stdout.strip().splitlines()[-1])
+    info = json.loads(run([str(python), "-c", _PROBE], cwd=cwd, env=env).stdout.strip().splitlines()[-1])
     if "site-packages" not in info["file"]:
         raise Failure(f"{python} imports lightning from {info['file']}, not from its site-packages")
+    return info
+
+
+def source_lightning(python: Path, cwd: Path, src: Path) -> dict[str, str]:
+    """The ``lightning`` a source run imports: from ``src`` on PYTHONPATH, and the venv must have none of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    names = "lightning", "pytorch_lightning", "lightning_fabric"
+    installed = run([str(python), "-c", f"import importlib.util as u; print([n for n in {names!r} if u.find_spec(n)])"],
+                    cwd=cwd, env=env).stdout.strip()
+    if installed != "[]":
+        raise Failure(f"{python} has {installed} installed: a source run must import upstream's src/ only"
+                      f" (remove that venv, {python.parents[1]})")
+    env["PYTHONPATH"] = str(src)
+    info = json.loads(run([str(python), "-c", _PROBE], cwd=cwd, env=env).stdout.strip().splitlines()[-1])
+    if not Path(info["file"]).resolve().is_relative_to(src.resolve()):
+        raise Failure(f"{python} imports lightning from {info['file']}, not from {src}")
     return info
 
 
 # --- test trees ------------------------------------------------------------------------------------------------------
 
 
-def export_tests(checkout: Path, ref: str, target: Path) -> str:
-    """``tests/`` and ``pyproject.toml`` of ``ref`` into ``target`` (a fresh git repo, so patches apply with git)."""
+def resolve(checkout: Path, ref: str, what: str = "--ref (a tag such as 2.6.6, a branch or a commit) that is the"
+            " release the fork is built from") -> str:
     commit = git(checkout, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False).stdout.strip()
     if not commit:
-        raise Failure(
-            f"{checkout} has no ref {ref!r}; pass --ref (a tag such as 2.6.6, a branch or a commit) that is the"
-            " release the fork is built from"
-        )
+        raise Failure(f"{checkout} has no ref {ref!r}; pass {what}")
+    return commit
+
+
+def export_tests(checkout: Path, ref: str, target: Path, paths: tuple[str, ...] = ("tests", "pyproject.toml")) -> str:
+    """``paths`` (``tests/`` and ``pyproject.toml``) of ``ref`` into ``target`` (a fresh git repo, so patches apply
+    with git)."""
+    commit = resolve(checkout, ref)
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
-    data = subprocess.run(["git", "-C", str(checkout), "archive", "--format=tar", commit, "tests", "pyproject.toml"],
+    missing = [p for p in paths if git(checkout, "cat-file", "-e", f"{commit}:{p}", check=False).returncode != 0]
+    if missing:
+        raise Failure(f"{ref} ({commit[:10]}) in {checkout} has no {', '.join(missing)}")
+    data = subprocess.run(["git", "-C", str(checkout), "archive", "--format=tar", commit, *paths],
                           capture_output=True, check=False)
     if data.returncode != 0:
         raise Failure(f"git archive {ref} failed in {checkout}:\n{data.stderr.decode(errors='replace')}")
@@ -201,11 +242,19 @@ class Run:
     seconds: float = 0.0
     lightning: dict[str, str] = field(default_factory=dict)
     returncode: int = 0
+    reused: bool = False  # outcomes read from an earlier run's junit XML
+    source: bool = False  # lightning from the tree's src/ on PYTHONPATH (base vs branch), else the venv's install
+
+    def probe(self) -> dict[str, str]:
+        tests_dir = self.tree / "tests"
+        if self.source:
+            return source_lightning(self.python, tests_dir, self.tree / "src")
+        return installed_lightning(self.python, tests_dir)
 
 
 def run_pytest(job: Run, files: list[str], workers: int, timeout: int, extra_args: list[str]) -> None:
     tests_dir = job.tree / "tests"
-    job.lightning = installed_lightning(job.python, tests_dir)
+    job.lightning = job.probe()
     log(f"{job.name}: lightning {job.lightning['lightning']} ({job.lightning['file']}), torch {job.lightning['torch']}")
     cmd = [str(job.python), "-m", "pytest", *files, "-p", "no:cacheprovider", "-p", "no:randomly",
            "--color=no", "-q", "-rN", f"--timeout={timeout}", f"--junitxml={job.junit}", "-o", "junit_family=xunit1",
@@ -216,7 +265,9 @@ def run_pytest(job: Run, files: list[str], workers: int, timeout: int, extra_arg
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
     env.update({"CUDA_VISIBLE_DEVICES": "", "PL_RUN_CUDA_TESTS": "0", "PYTHONDONTWRITEBYTECODE": "1",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    log(f"{job.name}: pytest on {len(files)} files with {workers} worker(s), timeout {timeout}s per test")
+    if job.source:
+        env["PYTHONPATH"] = str(job.tree / "src")
+    log(f"{job.name}: pytest on {len(files)} files or folders with {workers} worker(s), timeout {timeout}s per test")
     start = time.monotonic()
     with open(job.junit.with_suffix(".log"), "w", encoding="utf-8") as out:
         done = subprocess.run(cmd, cwd=tests_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -250,6 +301,13 @@ def read_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return outcomes, messages
 
 
+def junit_seconds(path: Path) -> float:
+    """The run's wall time as pytest wrote it into the junit XML (for a reused run)."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return float(suite.get("time", 0) or 0) if suite is not None else 0.0
+
+
 def counts(outcomes: dict[str, str]) -> dict[str, int]:
     out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0}
     for outcome in outcomes.values():
@@ -267,147 +325,383 @@ def module_of(test_id: str) -> str:
     return test_id.split("::", 1)[0]
 
 
-def patched_modules(applied: dict[str, list[str]]) -> set[str]:
-    """Dotted module names (as junit's classname starts) of the test files the test patches change."""
+def suite_of(test_id: str) -> str:
+    """``tests_pytorch`` or ``tests_fabric`` (junit's classname may start with ``tests.``), else ``other``."""
+    parts = module_of(test_id).split(".")
+    if parts[0] == "tests":
+        parts = parts[1:]
+    return parts[0] if parts and parts[0] in SUITES else "other"
+
+
+def by_suite(outcomes: dict[str, str]) -> dict[str, dict[str, int]]:
+    groups: dict[str, dict[str, str]] = {}
+    for test_id, outcome in outcomes.items():
+        groups.setdefault(suite_of(test_id), {})[test_id] = outcome
+    return {name: counts(groups[name]) for name in sorted(groups)}
+
+
+def dotted_modules(files) -> set[str]:
+    """Dotted module names (as junit's classname starts) of test files given as ``tests/...py`` paths."""
     out = set()
-    for files in applied.values():
-        for name in files:
-            if name.startswith("tests/") and name.endswith(".py"):
-                dotted = name[: -len(".py")].replace("/", ".")
-                out |= {dotted, dotted[len("tests.") :]}  # junit's classname starts at pytest's rootdir
+    for name in files:
+        if name.startswith("tests/") and name.endswith(".py"):
+            dotted = name[: -len(".py")].replace("/", ".")
+            out |= {dotted, dotted[len("tests.") :]}  # junit's classname starts at pytest's rootdir
     return out
 
 
-def compare(stock: Run, fork: Run, patched: set[str]) -> dict:
-    def in_patched(test_id: str) -> bool:
-        return any(module_of(test_id) == m or module_of(test_id).startswith(m + ".") for m in patched)
+def patched_modules(applied: dict[str, list[str]]) -> set[str]:
+    """Dotted module names of the test files the test patches change."""
+    return dotted_modules(name for files in applied.values() for name in files)
 
-    regressions, changed, fixed, missing = [], [], [], []
-    for test_id, before in sorted(stock.outcomes.items()):
-        after = fork.outcomes.get(test_id)
-        if after is None:
-            (changed if in_patched(test_id) else missing).append(test_id)
-        elif before == "passed" and after in FAILED:
-            regressions.append(test_id)
-        elif before in FAILED and after == "passed":
+
+def in_modules(test_id: str, modules: set[str]) -> bool:
+    module = module_of(test_id)
+    return any(module == m or module.startswith(m + ".") for m in modules)
+
+
+def compare(before: dict[str, str], after: dict[str, str], patched: set[str]) -> dict:
+    """Per-test outcomes of the reference run (stock, base) against the changed one (fork, branch)."""
+    regressions, patched_regressions, changed, fixed, missing, both = [], [], [], [], [], []
+    for test_id, old in sorted(before.items()):
+        new = after.get(test_id)
+        if new is None:
+            (changed if in_modules(test_id, patched) else missing).append(test_id)
+        elif old == "passed" and new in FAILED:
+            (patched_regressions if in_modules(test_id, patched) else regressions).append(test_id)
+        elif old in FAILED and new == "passed":
             fixed.append(test_id)
-    new = sorted(t for t in fork.outcomes if t not in stock.outcomes)
-    in_files = [t for t in sorted(set(stock.outcomes) | set(fork.outcomes)) if in_patched(t)]
-    patched_tests = [f"{t} (stock: {stock.outcomes.get(t, '-')}, fork: {fork.outcomes.get(t, '-')})"
-                     for t in in_files if stock.outcomes.get(t) != fork.outcomes.get(t)]
-    return {"regressions": regressions, "fixed_on_fork": fixed, "absent_on_fork": missing,
-            "replaced_by_test_patches": changed, "new_on_fork": new, "in_test_patched_files": patched_tests,
+        elif old in FAILED and new in FAILED:
+            both.append(test_id)
+    new_ids = sorted(t for t in after if t not in before)
+    new_failing = [t for t in new_ids if after[t] in FAILED]
+    in_files = [t for t in sorted(set(before) | set(after)) if in_modules(t, patched)]
+    patched_tests = [f"{t} (before: {before.get(t, '-')}, after: {after.get(t, '-')})"
+                     for t in in_files if before.get(t) != after.get(t)]
+    # the keys keep the names of the stock-vs-fork report (tools/upstream/pr_description.py reads them) in both modes
+    return {"regressions": regressions, "regressions_in_test_patched_files": patched_regressions,
+            "new_failing": new_failing, "fixed_on_fork": fixed, "failing_on_both": both, "absent_on_fork": missing,
+            "replaced_by_test_patches": changed, "new_on_fork": new_ids, "in_test_patched_files": patched_tests,
             "same_in_test_patched_files": len(in_files) - len(patched_tests)}
 
 
-def write_report(workdir: Path, ref: str, commit: str, runs: list[Run], result: dict, applied: dict) -> str:
-    lines = ["# Upstream tests: stock lightning 2.6.6 vs the fork", "",
-             f"Upstream tests at `{ref}` ({commit[:10]}), {len(runs[0].outcomes)} test ids collected on stock.", ""]
-    lines += ["| run | lightning | passed | failed | errors | skipped | xfailed | total | time |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def first_line(message: str) -> str:
+    lines = (message or "").strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+@dataclass
+class Mode:
+    """The words of a report: stock vs fork (the installed 2.6.6 and fork) or base vs branch (upstream's src/)."""
+
+    before: str
+    after: str
+    title: str
+    header: list[str]
+
+
+def table(runs: list[Run], own: set[str]) -> list[str]:
+    lines = ["| run | suite | lightning | passed | failed | errors | skipped | xfailed | total | time |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def rows(name: str, job: Run, outcomes: dict[str, str]) -> None:
+        suites = by_suite(outcomes)
+        for suite, c in [*suites.items(), *([("all", counts(outcomes))] if len(suites) > 1 else [])]:
+            took = f"{job.seconds:.0f}s" + (" (reused)" if job.reused else "")
+            took = took if suite == "all" or len(suites) == 1 else ""
+            lines.append(f"| {name} | {suite} | {job.lightning.get('lightning', '?')} | {c['passed']} | {c['failed']} |"
+                         f" {c['error']} | {c['skipped']} | {c['xfailed']} | {c['total']} | {took} |")
+
     for job in runs:
-        c = counts(job.outcomes)
-        took = f"{job.seconds:.0f}s" if job.seconds else "reused"
-        lines.append(f"| {job.name} | {job.lightning.get('lightning', '?')} | {c['passed']} | {c['failed']} | "
-                     f"{c['error']} | {c['skipped']} | {c['xfailed']} | {c['total']} | {took} |")
+        upstream = {t: o for t, o in job.outcomes.items() if not in_modules(t, own)}
+        rows(job.name, job, upstream)
+        ours = {t: o for t, o in job.outcomes.items() if in_modules(t, own)}
+        if ours:
+            rows(f"{job.name}: our own tests", job, ours)
+    return lines
+
+
+def write_report(workdir: Path, mode: Mode, runs: list[Run], result: dict, applied: dict, summary_extra: dict,
+                 own: set[str] = frozenset(), label: str = "") -> str:
+    first = runs[0]
+    lines = [f"# {mode.title}", "", *mode.header, ""]
+    lines += table(runs, own)
     lines.append("")
-    stock = runs[0]
-    needs_gpu = [t for t, o in stock.outcomes.items() if o == "skipped" and "GPU" in stock.messages.get(t, "")]
-    lines.append(f"Skipped here because they need CUDA GPUs (not evidence either way): {len(needs_gpu)} test ids;"
-                 " the rest of the skips need TPUs, MPS, DeepSpeed, standalone (multi-process) runs or other extras.")
+    needs_gpu = [t for t, o in first.outcomes.items() if o == "skipped" and "GPU" in first.messages.get(t, "")]
+    lines.append(f"Skipped here because they need CUDA GPUs (not evidence either way): {len(needs_gpu)} test ids of the"
+                 f" {mode.before} run; the rest of the skips need TPUs, MPS, DeepSpeed, standalone (multi-process) runs"
+                 " or other extras.")
     lines.append("")
     if applied:
-        lines.append("Test patches applied to the fork's tree (upstream tests that pin the old behaviour, updated):")
+        lines.append(f"Test patches in the {mode.after} run's tree (upstream tests that pin the old behaviour, updated):")
         lines += [f"- {name}: {', '.join(files)}" for name, files in applied.items()]
         lines.append("")
-    fork = runs[1] if len(runs) > 1 else None
-    for key, title in (("regressions", "Pass on stock, fail on the fork"),
-                       ("fixed_on_fork", "Fail on stock, pass on the fork"),
-                       ("in_test_patched_files",
-                        "Tests in files a test patch changes, whose outcome differs (the fork runs the new version)"),
-                       ("replaced_by_test_patches", "Stock test ids a test patch replaced (renamed or removed)"),
-                       ("new_on_fork", "Test ids only on the fork's run (added or renamed by a test patch)"),
-                       ("absent_on_fork", "Stock test ids the fork's run did not report")):
+    after = runs[1] if len(runs) > 1 else None
+    for note in summary_extra.get("notes", []):
+        lines += [f"Note: {note}", ""]
+    sections = (
+        ("regressions", f"Pass on {mode.before}, fail on the {mode.after}"),
+        ("regressions_in_test_patched_files",
+         f"Pass on {mode.before}, fail on the {mode.after}, in files a test patch changes (check the patch)"),
+        ("new_failing", f"Test ids only on the {mode.after}'s run that fail (added by a test patch)"),
+        ("fixed_on_fork", f"Fail on {mode.before}, pass on the {mode.after}"),
+        ("failing_on_both", f"Fail on both (not evidence against the {mode.after})"),
+        ("in_test_patched_files",
+         f"Tests in files a test patch changes, whose outcome differs (the {mode.after} runs the new version)"),
+        ("replaced_by_test_patches", f"{mode.before.capitalize()} test ids a test patch replaced (renamed or removed)"),
+        ("new_on_fork", f"Test ids only on the {mode.after}'s run (added or renamed by a test patch)"),
+        ("absent_on_fork", f"{mode.before.capitalize()} test ids the {mode.after}'s run did not report"),
+    )
+    for key, title in sections:
         items = result.get(key, [])
         lines.append(f"## {title}: {len(items)}")
         lines.append("")
         for test_id in items:
             note = ""
-            if fork is not None and key == "regressions":
-                first = (fork.messages.get(test_id) or "").strip().splitlines()[:1]
-                note = f"  \n  `{first[0][:300]}`" if first else ""
+            if after is not None and key in ("regressions", "regressions_in_test_patched_files", "new_failing"):
+                message = first_line(after.messages.get(test_id, ""))
+                note = f"  \n  `{message}`" if message else ""
             lines.append(f"- {test_id}{note}")
         if key == "in_test_patched_files":
             lines.append(f"- and {result.get('same_in_test_patched_files', 0)} test ids in those files with the same"
                          " outcome on both")
         lines.append("")
+    own_result = summary_extra.get("own_tests")
+    if own_result is not None:
+        lines.append(f"## Our own tests on the {mode.after} (files it adds under tests/), failing:"
+                     f" {len(own_result['failing'])}")
+        lines.append("")
+        lines.append(f"{format_counts(own_result['counts'])}, in {len(own_result['files'])} files.")
+        lines.append("")
+        for test_id in own_result["failing"]:
+            message = first_line(after.messages.get(test_id, "")) if after is not None else ""
+            lines.append(f"- {test_id}" + (f"  \n  `{message}`" if message else ""))
+        lines.append("")
     text = "\n".join(lines)
-    (workdir / "report.md").write_text(text, encoding="utf-8")
-    summary = {"ref": ref, "commit": commit, "runs": {j.name: {"counts": counts(j.outcomes), "lightning": j.lightning,
-                                                              "seconds": round(j.seconds), "returncode": j.returncode}
-                                                     for j in runs}, "test_patches": applied, **result}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    summary = {**{k: v for k, v in summary_extra.items() if k != "notes"}, "notes": summary_extra.get("notes", []),
+               "runs": {j.name: {"counts": counts({t: o for t, o in j.outcomes.items() if not in_modules(t, own)}),
+                                 "suites": by_suite({t: o for t, o in j.outcomes.items() if not in_modules(t, own)}),
+                                 "lightning": j.lightning, "seconds": round(j.seconds), "returncode": j.returncode}
+                        for j in runs},
+               "test_patches": applied, **result}
+    for name in ("report", f"report-{label}") if label else ("report",):
+        (workdir / f"{name}.md").write_text(text, encoding="utf-8")
+    for name in ("summary", f"summary-{label}") if label else ("summary",):
+        (workdir / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return text
+
+
+def failed_overall(result: dict, summary_extra: dict) -> bool:
+    own = summary_extra.get("own_tests") or {}
+    return bool(result["regressions"] or result["regressions_in_test_patched_files"] or result["new_failing"]
+                or own.get("failing"))
+
+
+# --- the two modes ---------------------------------------------------------------------------------------------------
+
+
+def run_all(runs: list[Run], files: dict[str, list[str]], keys: dict[str, str], args, reuse: str) -> None:
+    """Run each job's files (``files[job.name]``); ``--reuse-stock`` reuses the reference run's junit when its key
+    (``keys[job.name]``: upstream commit, pins; and the selection) is unchanged."""
+    extra = args.pytest_args.split()
+    for job in runs:
+        if args.report_only:
+            if not job.junit.is_file():
+                raise Failure(f"--report-only: {job.junit} does not exist (run without --report-only first)")
+            job.outcomes, job.messages = read_junit(job.junit)
+            job.seconds, job.reused = junit_seconds(job.junit), True
+            job.lightning = job.probe()
+            log(f"{job.name}: read {job.junit} ({format_counts(counts(job.outcomes))})")
+            continue
+        stamp = job.junit.with_suffix(".key")
+        job_key = hashlib.sha256(f"{keys[job.name]} {files[job.name]} {extra}".encode()).hexdigest()
+        if job.name == reuse and args.reuse_stock and job.junit.is_file() and stamp.is_file() \
+                and stamp.read_text().strip() == job_key:
+            job.outcomes, job.messages = read_junit(job.junit)
+            job.seconds, job.reused = junit_seconds(job.junit), True
+            job.lightning = job.probe()
+            log(f"{job.name}: reusing {job.junit} ({format_counts(counts(job.outcomes))})")
+            continue
+        stamp.unlink(missing_ok=True)
+        run_pytest(job, files[job.name], args.workers, args.timeout, extra)
+        stamp.write_text(job_key + "\n")
+
+
+def selection(tests_dir: Path, args, workdir: Path, name: str = "selected") -> list[str]:
+    if args.full:
+        files = [suite for suite in SUITES if (tests_dir / suite).is_dir()]
+    else:
+        files = select_tests(tests_dir, args.tests)
+    (workdir / f"{name}.txt").write_text("\n".join(files) + "\n", encoding="utf-8")
+    log(f"{len(files)} test {'suites' if args.full else 'files'} selected (list in {workdir / f'{name}.txt'})")
+    return files
+
+
+def stock_vs_fork(args, checkout: Path, workdir: Path) -> int:
+    which = [args.only] if args.only else ["stock", "fork"]
+    pythons = setup_venvs(args.venvs.resolve(), REPO, which)
+    trees = {name: workdir / f"{name}-tree" for name in which}
+    commit = ""
+    for name, tree in trees.items():
+        commit = export_tests(checkout, args.ref, tree)
+    applied = {}
+    if "fork" in trees and not args.no_test_patches:
+        applied = apply_test_patches(trees["fork"])
+    files = selection(trees.get("stock", next(iter(trees.values()))) / "tests", args, workdir)
+    runs = [Run(name, pythons[name], trees[name], workdir / f"{name}.xml") for name in which]
+    run_all(runs, {job.name: files for job in runs}, {job.name: f"{commit} {REQUIREMENTS.read_text()}" for job in runs},
+            args, "stock")
+    if len(runs) == 1:
+        print(format_counts(counts(runs[0].outcomes)))
+        for suite, c in by_suite(runs[0].outcomes).items():
+            print(f"  {suite}: {format_counts(c)}")
+        return 0
+    mode = Mode("stock", "fork", "Upstream tests: stock lightning 2.6.6 vs the fork",
+                [f"Upstream tests at `{args.ref}` ({commit[:10]}), {len(runs[0].outcomes)} test ids collected on stock"
+                 f" ({'the full CPU suites' if args.full else 'the touched areas'})."])
+    result = compare(runs[0].outcomes, runs[1].outcomes, patched_modules(applied))
+    extra = {"mode": "stock-vs-fork", "ref": args.ref, "commit": commit, "full": args.full}
+    print(write_report(workdir, mode, runs, result, applied, extra))
+    return 1 if failed_overall(result, extra) else 0
+
+
+def branch_changes(checkout: Path, base: str, branch: str) -> tuple[list[str], list[str]]:
+    """The files under tests/ that the branch adds and those it modifies (or deletes), against the base commit."""
+    listed = git(checkout, "diff", "--name-status", "--no-renames", base, branch, "--", "tests").stdout
+    added, modified = [], []
+    for line in filter(None, listed.splitlines()):
+        status, _, path = line.partition("\t")
+        (added if status == "A" else modified).append(path)
+    return added, modified
+
+
+def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
+    """``--branch`` against its merge base with ``--base``; without ``--branch`` (``--only base``), ``--base`` alone."""
+    tip = resolve(checkout, args.base, "--base, the upstream branch the pull request goes to (master)")
+    if args.branch:
+        branch = resolve(checkout, args.branch, "--branch, the pull-request branch that `make pr` built in that clone")
+        base = git(checkout, "merge-base", tip, branch).stdout.strip()
+    else:
+        branch = base = tip
+    notes = []
+    if base != tip:
+        notes.append(f"{args.branch} starts from {base[:10]}, not from {args.base}'s tip {tip[:10]}: the base run tests"
+                     " that merge base (rebase the branch with `make pr` to test the tip)")
+        log(f"note: {notes[-1]}")
+    which = [args.only] if args.only else ["base", "branch"]
+    python = ensure_venv(args.venvs.resolve() / "source", ["-r", str(SOURCE_REQUIREMENTS)],
+                         "source v1 " + SOURCE_REQUIREMENTS.read_text(encoding="utf-8"))
+    commits = {"base": base, "branch": branch}
+    trees = {name: workdir / f"{name}-tree" for name in which}
+    for name, tree in trees.items():
+        export_tests(checkout, commits[name], tree, SOURCE_PATHS)
+
+    # what the branch changes under tests/: files it adds are ours (unless a test patch adds them), files it modifies
+    # are the test patches'; both are checked against this checkout's tools/upstream/test-patches/series
+    added, modified = branch_changes(checkout, base, branch)
+    applied = {patch.name: patch.targets() for patch in read_series(TEST_PATCHES)}
+    targets = {name for files in applied.values() for name in files}
+    own_files = sorted(name for name in added if name not in targets)
+    patched_files = sorted(set(modified) | (set(added) & targets))
+    stray = sorted(set(modified) - targets)
+    if stray:
+        notes.append(f"the branch modifies upstream test files that no test patch of this checkout names: {stray}"
+                     " (an older series? the run counts them as test-patched)")
+    lacking = sorted(targets - set(modified) - set(added))
+    if lacking and args.branch:
+        notes.append(f"files the test patches of this checkout change that the branch leaves as they are: {lacking}"
+                     " (the branch was built from another series; run `make pr` again)")
+    for note in notes[1 if base != tip else 0 :]:
+        log(f"note: {note}")
+    own = dotted_modules(own_files)
+
+    files = selection(trees.get("base", next(iter(trees.values()))) / "tests", args, workdir)
+    own_tests = [name[len("tests/") :] for name in own_files
+                 if Path(name).name.startswith("test_") and name.endswith(".py")
+                 and name.split("/")[1:2] and name.split("/")[1] in SUITES]
+    per_run = {"base": files, "branch": files if args.full else sorted(set(files) | set(own_tests))}
+    runs = [Run(name, python, trees[name], workdir / f"{name}.xml", source=True) for name in which]
+    pins = f"{REQUIREMENTS.read_text()} {SOURCE_REQUIREMENTS.read_text()} {TORCH}"
+    run_all(runs, {job.name: per_run[job.name] for job in runs},
+            {job.name: f"{commits[job.name]} {pins}" for job in runs}, args, "base")
+    if len(runs) == 1:
+        job = runs[0]
+        upstream = {t: o for t, o in job.outcomes.items() if not in_modules(t, own)}
+        print(format_counts(counts(upstream)))
+        for suite, c in by_suite(upstream).items():
+            print(f"  {suite}: {format_counts(c)}")
+        ours = {t: o for t, o in job.outcomes.items() if in_modules(t, own)}
+        if ours:
+            print(f"  our own tests: {format_counts(counts(ours))}")
+        return 0
+    base_run, branch_run = runs
+    upstream_after = {t: o for t, o in branch_run.outcomes.items() if not in_modules(t, own)}
+    result = compare(base_run.outcomes, upstream_after, dotted_modules(patched_files))
+    ours = {t: o for t, o in branch_run.outcomes.items() if in_modules(t, own)}
+    what = "the full CPU suites" if args.full else "the touched areas"
+    mode = Mode("base", "branch", f"Upstream tests: {args.base} vs the pull-request branch {args.branch}",
+                [f"Base: `{args.base}` at the branch's merge base {base[:10]}; branch: `{args.branch}` ({branch[:10]});"
+                 f" {what}; each run imports lightning from its own tree's `src/` (PYTHONPATH), torch"
+                 f" {base_run.lightning.get('torch', '?')}.",
+                 "",
+                 f"{len(base_run.outcomes)} test ids collected on base. The branch's own test files (added under"
+                 f" tests/, {len(own_files)} files) are counted apart and left out of the comparison; the files it"
+                 f" modifies ({len(patched_files)}) are the test patches'."])
+    extra = {"mode": "base-vs-branch", "ref": args.base, "commit": base, "base": args.base, "base_commit": base, "base_tip": tip, "branch": args.branch,
+             "branch_commit": branch, "full": args.full, "notes": notes, "test_patched_files": patched_files,
+             "own_tests": {"files": own_files, "counts": counts(ours), "suites": by_suite(ours),
+                           "failing": sorted(t for t, o in ours.items() if o in FAILED)}}
+    print(write_report(workdir, mode, runs, result, applied, extra, own, "full" if args.full else "touched"))
+    return 1 if failed_overall(result, extra) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", required=True, type=Path, help="an upstream Lightning git checkout")
     parser.add_argument("--ref", default="2.6.6", help="the upstream revision whose tests run (default: 2.6.6)")
-    parser.add_argument("--venvs", type=Path, default=HERE / ".venvs", help="where the two venvs live")
-    parser.add_argument("--workdir", type=Path, default=HERE / "results", help="test trees, junit XML, report")
+    parser.add_argument("--branch", help="base vs branch: the pull-request branch in --upstream (from `make pr`),"
+                                         " tested from source against its merge base with --base")
+    parser.add_argument("--base", default="master", help="with --branch: the branch the PR goes to (default master)")
+    parser.add_argument("--full", action="store_true",
+                        help="run the whole CPU suites tests_pytorch and tests_fabric, not the touched areas")
+    parser.add_argument("--venvs", type=Path, default=HERE / ".venvs", help="where the venvs live")
+    parser.add_argument("--workdir", type=Path, help="test trees, junit XML, report (default: tools/upstream/results/,"
+                                                     " results/branch/ with --branch; -full with --full)")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (1: no xdist)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
-    parser.add_argument("--only", choices=["stock", "fork"], help="run one side only (no comparison)")
+    parser.add_argument("--only", choices=["stock", "fork", "base", "branch"], help="run one side only (no comparison)")
     parser.add_argument("--no-test-patches", action="store_true", help="run the fork on upstream's tests as they are")
-    parser.add_argument("--reuse-stock", action="store_true",
-                        help="reuse the last stock run's results (same upstream commit, selection and pins)")
+    parser.add_argument("--reuse-stock", "--reuse-base", action="store_true", dest="reuse_stock",
+                        help="reuse the last stock (base) run's results (same upstream commit, selection and pins)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run no test: write the report again from the last runs' junit XML in --workdir")
     parser.add_argument("--tests", nargs="*", default=[], help="extra test files or folders (relative to tests/)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     args = parser.parse_args(argv)
 
     checkout = args.upstream.expanduser().resolve()
+    if args.only == "branch" and not args.branch:
+        parser.error("--only branch needs --branch")
+    if args.branch and args.only in ("stock", "fork"):
+        parser.error(f"--only {args.only} is for stock vs fork (no --branch): choose base or branch")
+    if args.branch and args.no_test_patches:
+        parser.error("--no-test-patches: the branch holds its test patches as commits (build it without them:"
+                     " make_pr.py --no-test-patches)")
+    if args.workdir is None:
+        source = args.branch or args.only == "base"
+        args.workdir = HERE / "results" / ("branch" if source else "")
+        if args.full:
+            args.workdir = args.workdir.with_name(args.workdir.name + "-full") if source else args.workdir / "full"
     workdir = args.workdir.resolve()
-    which = [args.only] if args.only else ["stock", "fork"]
     try:
         if not (checkout / ".git").exists():
             raise Failure(f"{checkout} is not a git checkout of upstream Lightning")
         workdir.mkdir(parents=True, exist_ok=True)
-        pythons = setup_venvs(args.venvs.resolve(), REPO, which)
-        trees = {name: workdir / f"{name}-tree" for name in which}
-        commit = ""
-        for name, tree in trees.items():
-            commit = export_tests(checkout, args.ref, tree)
-        applied = {}
-        if "fork" in trees and not args.no_test_patches:
-            applied = apply_test_patches(trees["fork"])
-        selection_tree = trees.get("stock", next(iter(trees.values())))
-        files = select_tests(selection_tree / "tests", args.tests)
-        (workdir / "selected.txt").write_text("\n".join(files) + "\n", encoding="utf-8")
-        log(f"{len(files)} test files selected (list in {workdir / 'selected.txt'})")
-        runs = [Run(name, pythons[name], trees[name], workdir / f"{name}.xml") for name in which]
-        extra = args.pytest_args.split()
-        key = hashlib.sha256(f"{commit} {files} {extra} {REQUIREMENTS.read_text()}".encode()).hexdigest()
-        for job in runs:
-            stamp = job.junit.with_suffix(".key")
-            if job.name == "stock" and args.reuse_stock and job.junit.is_file() and stamp.is_file() \
-                    and stamp.read_text().strip() == key:
-                job.outcomes, job.messages = read_junit(job.junit)
-                job.lightning = installed_lightning(job.python, job.tree / "tests")
-                log(f"stock: reusing {job.junit} ({format_counts(counts(job.outcomes))})")
-                continue
-            stamp.unlink(missing_ok=True)
-            run_pytest(job, files, args.workers, args.timeout, extra)
-            stamp.write_text(key + "\n")
+        source = args.branch or args.only == "base"
+        return base_vs_branch(args, checkout, workdir) if source else stock_vs_fork(args, checkout, workdir)
     except Failure as err:
         print(f"upstream_test: {err}", file=sys.stderr)
         return 2
-    if len(runs) == 1:
-        print(format_counts(counts(runs[0].outcomes)))
-        return 0
-    result = compare(runs[0], runs[1], patched_modules(applied))
-    print(write_report(workdir, args.ref, commit, runs, result, applied))
-    return 1 if result["regressions"] else 0
 
 
 if __name__ == "__main__":
