@@ -316,6 +316,8 @@ def test_a_method_the_module_lacks_still_raises():
 
 def test_stock_fabric_runs_training_step_without_autocast_on_one_device():
     """Negative control: stock Fabric 2.6.6 calls the method as is on one device."""
+    pytest.importorskip("stock_lightning_fabric", reason="the negative control needs the unpatched Fabric 2.6.6")
+    pytest.importorskip("stock_pytorch_lightning", reason="the negative control needs the unpatched Lightning 2.6.6")
     from stock_lightning_fabric import Fabric as StockFabric
     from stock_pytorch_lightning import LightningModule as StockModule
 

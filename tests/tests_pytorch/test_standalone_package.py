@@ -150,11 +150,14 @@ def test_fused_optimizer_clipping_16_mixed_stock_refuses() -> None:
 
 
 def test_the_import_names_are_the_fork_and_stock() -> None:
-    """The packages these tests compare: the fork under both names, and stock 2.6.6 (guards the negative controls)."""
+    """The packages these tests compare: the fork under both names, and stock 2.6.6. This guards the negative controls,
+    which skip where stock is absent (upstream's own CI): in the fork's environment it must be there."""
     import lightning
     import pytorch_lightning
+    import stock_lightning_fabric
     import stock_pytorch_lightning
 
     assert pytorch_lightning.__version__ == lightning.__version__ != stock_pytorch_lightning.__version__ == "2.6.6"
+    assert stock_lightning_fabric.__version__ == "2.6.6"
     assert importlib.util.find_spec("pytorch_lightning.plugins.precision.amp_recipe") is not None
     assert importlib.util.find_spec("stock_pytorch_lightning.plugins.precision.amp_recipe") is None

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -324,6 +325,7 @@ def fabric_api(package: str) -> SimpleNamespace:
         from lightning.fabric import Fabric
         from lightning.fabric.plugins.precision import MixedPrecision
     elif package == "stock_lightning_fabric":
+        pytest.importorskip(package, reason=f"the negative control needs the unpatched Fabric 2.6.6 as `{package}`")
         from stock_lightning_fabric import Fabric
         from stock_lightning_fabric.plugins.precision import MixedPrecision
     else:

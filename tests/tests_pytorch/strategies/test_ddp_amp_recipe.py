@@ -33,7 +33,7 @@ import torch
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
 
 from tests_pytorch.helpers.amp_ddp import CASES, CLIP_NORM, INIT_SCALE, STOCK_CASES, Case, Result, recipe_run
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK
+from tests_pytorch.helpers.amp_recipe import FORK, NO_STOCK, STOCK, stock_is_unpatched
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_amp_recipe.py"
 #: the script takes ~15 s on 2 cores (process start-up dominates); this is the limit for a stuck collective
@@ -56,7 +56,7 @@ def ddp_runs(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("ddp_amp_recipe")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(outdir), "--stock"],
+        [sys.executable, str(SCRIPT), str(outdir), *(["--stock"] if stock_is_unpatched() else [])],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -185,6 +185,7 @@ def test_resume_is_exact(ddp_runs):
         assert_bitwise(ddp_runs(FORK, "resume-resumed", rank), ddp_runs(FORK, "resume", rank))
 
 
+@pytest.mark.skipif(not stock_is_unpatched(), reason=NO_STOCK)
 @pytest.mark.parametrize("run", STOCK_CASES)
 def test_stock_ddp_is_caught(ddp_runs, run):
     """Negative control: the unpatched 2.6.6 (``stock_pytorch_lightning``) under the same DDP script clips scaled
