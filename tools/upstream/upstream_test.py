@@ -284,6 +284,8 @@ def read_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     outcomes, messages = {}, {}
     for case in ET.parse(path).getroot().iter("testcase"):
         test_id = f"{case.get('classname', '')}::{case.get('name')}"
+        if not case.get("classname"):  # a module that failed to collect: its name is the module's
+            test_id = f"{case.get('name')}::(collection)"
         outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
