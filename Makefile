@@ -91,7 +91,7 @@ series-check: setup
 ## pr-description: the PR's description from the patch headers, CHANGELOG and upstream-test results -> stdout and
 ##        tools/upstream/results/PR.md
 pr-description:
-	$(PYTHON) tools/upstream/pr_description.py
+	$(PYTHON) tools/upstream/pr_description.py $(if $(wildcard tools/upstream/results/branch/summary.json),--results tools/upstream/results/branch)
 
 ## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI);
 ##   with BRANCH=<the PR branch in UPSTREAM>, that branch vs its base (BASE, default master) from source; FULL=1: all CPU tests

@@ -250,7 +250,9 @@ def table(rows: list[tuple[str, dict[str, int]]]) -> list[str]:
 
 def upstream_evidence(results: Path, patches: list[SeriesPatch], warn) -> list[str]:
     summary_path, report_path = results / "summary.json", results / "report.md"
-    out = ["### Upstream's tests of the touched areas, stock 2.6.6 against this branch", ""]
+    # the master mode (`make upstream-test BRANCH=...`) writes results/branch/: the base is master, not stock 2.6.6
+    against = "master" if results.name.startswith("branch") else "stock 2.6.6"
+    out = [f"### Upstream's tests of the touched areas, {against} against this branch", ""]
     summary = None
     if summary_path.is_file():
         try:
@@ -277,8 +279,9 @@ def upstream_evidence(results: Path, patches: list[SeriesPatch], warn) -> list[s
         rows = count_rows(runs) + count_rows(summary.get("suites"), "")
         if rows:
             out += [*table(rows), ""]
-        for key, title, full in (("regressions", "Pass on stock, fail on this branch", True),
-                                 ("fixed_on_fork", "Fail on stock, pass on this branch", False)):
+        base = "master" if against == "master" else "stock"
+        for key, title, full in (("regressions", f"Pass on {base}, fail on this branch", True),
+                                 ("fixed_on_fork", f"Fail on {base}, pass on this branch", False)):
             items = summary.get(key)
             if isinstance(items, list):
                 out.append(f"- {title}: {len(items)}")
