@@ -147,6 +147,12 @@ def fork_only(path: Path = FORK_ONLY) -> dict[str, str]:
     return listed
 
 
+def unclaimed(names: list[str], patches: list[SeriesPatch]) -> list[str]:
+    """Of our files ``names``, those no patch's ``Adds:`` names and ``fork-only`` does not list."""
+    claimed = {path for patch in patches for path in patch.adds()} | set(fork_only())
+    return sorted(name for name in names if name not in claimed)
+
+
 def git(cwd: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, env=env)
     if check and done.returncode != 0:

@@ -47,6 +47,7 @@ from _series import (  # noqa: E402
     git,
     read_patch,
     read_series,
+    unclaimed,
 )
 
 sys.path.insert(0, str(REPO))
@@ -88,12 +89,11 @@ def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) ->
             problems.append(f"{path} is both fork-only and added by {claimed[path]}")
         if not (REPO / path).is_file():
             problems.append(f"{FORK_ONLY.name} lists {path}, which does not exist")
-    for path in own_files():
-        if path not in claimed and path not in kept:
-            problems.append(
-                f"{path} belongs to no patch: name it in the `Adds:` field of the patch whose concern it serves,"
-                f" or in tools/upstream/{FORK_ONLY.name} if upstream does not need it"
-            )
+    for path in unclaimed(own_files(), patches):
+        problems.append(
+            f"{path} belongs to no patch: name it in the `Adds:` field of the patch whose concern it serves,"
+            f" or in tools/upstream/{FORK_ONLY.name} if upstream does not need it"
+        )
     stems = {p.stem for p in patches}
     for patch in test_patches:
         if "Accompanies" not in patch.fields():
@@ -163,14 +163,7 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
             mine, theirs = by_name[resolution.name], read_patch(resolution)
             if set(mine.targets()) != set(theirs.targets()):
                 problems.append(f"{where} changes {theirs.targets()}, the patch {mine.targets()}")
-            expected, got = dict(mine.fields()), dict(theirs.fields())
-            if "Resolves" not in got:
-                problems.append(f"{where} has no `Resolves:` field (what it reconciles on {folder.name})")
-            got.pop("Resolves", None)
-            if not got.pop("Description", "").startswith(expected.pop("Description", "")):
-                problems.append(f"{where}: its Description must start with the patch's")
-            if got != expected:
-                problems.append(f"{where}: its header fields differ from the patch's")
+            problems += header_problems(where, mine, theirs, folder.name)
         problems += check_test_resolutions(folder, chosen, patches)
         order = [p.name for p in patches if p.name in chosen]
         for path in sorted({t for name in chosen for t in by_name[name].targets()}):
@@ -200,6 +193,21 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
     return problems
 
 
+def header_problems(where: str, mine: SeriesPatch, theirs: SeriesPatch, base: str) -> list[str]:
+    """A recorded resolution keeps its patch's header: the same fields, the Description extended, ``Resolves:``
+    added (what it reconciles on ``base``)."""
+    problems = []
+    expected, got = dict(mine.fields()), dict(theirs.fields())
+    if "Resolves" not in got:
+        problems.append(f"{where} has no `Resolves:` field (what it reconciles on {base})")
+    got.pop("Resolves", None)
+    if not got.pop("Description", "").startswith(expected.pop("Description", "")):
+        problems.append(f"{where}: its Description must start with the patch's")
+    if got != expected:
+        problems.append(f"{where}: its header fields differ from the patch's")
+    return problems
+
+
 def check_test_resolutions(folder: Path, chosen: dict[str, Path], patches: list[SeriesPatch]) -> list[str]:
     """Test patches for the other base: a recorded one keeps its header (Description extended, ``Resolves:``); one
     that only that base needs follows a patch the base has a resolution of. Their content is checked where the
@@ -211,14 +219,7 @@ def check_test_resolutions(folder: Path, chosen: dict[str, Path], patches: list[
         where = f"resolutions/{folder.name}/test-patches/{path.name}"
         theirs = read_patch(path)
         if path.name in ours:
-            expected, got = dict(ours[path.name].fields()), dict(theirs.fields())
-            if "Resolves" not in got:
-                problems.append(f"{where} has no `Resolves:` field (what it reconciles on {folder.name})")
-            got.pop("Resolves", None)
-            if not got.pop("Description", "").startswith(expected.pop("Description", "")):
-                problems.append(f"{where}: its Description must start with the test patch's")
-            if got != expected:
-                problems.append(f"{where}: its header fields differ from the test patch's")
+            problems += header_problems(where, ours[path.name], theirs, folder.name)
         elif theirs.accompanies() not in stems:
             problems.append(f"{where} must accompany a patch that has a {folder.name} resolution, not"
                             f" {theirs.accompanies()}")

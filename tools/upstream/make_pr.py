@@ -37,7 +37,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,11 +48,11 @@ from _series import (  # noqa: E402
     Failure,
     SeriesPatch,
     conflicts,
-    fork_only,
     git,
     read_series,
     resolutions,
     test_resolutions,
+    unclaimed,
 )
 
 OWN_FOLDERS = ("src", "tests/tests_pytorch", "tests/tests_fabric", "docs/source-pytorch")
@@ -109,7 +108,7 @@ def applicable(checkout: Path, patch: SeriesPatch, kind: str, alternatives: dict
     reasons = conflicts(checkout, patch)
     if not reasons:
         return patch
-    for base, resolution in alternatives.items():
+    for resolution in alternatives.values():
         if not conflicts(checkout, resolution):
             return resolution
     files = ", ".join(r.split(":", 1)[0] for r in reasons)
@@ -157,12 +156,6 @@ def lay(checkout: Path, repo: Path, names: list[str]) -> list[str]:
     if written:
         git(checkout, "add", "--", *written)
     return written
-
-
-def unclaimed(repo: Path, source: list[SeriesPatch]) -> list[str]:
-    """Our files (outside the docs) that no patch's ``Adds:`` names and that are not fork-only."""
-    claimed = {path for patch in source for path in patch.adds()} | set(fork_only())
-    return sorted(n for n in own_files(repo) if not n.startswith(DOCS_FOLDER) and n not in claimed)
 
 
 # --- CHANGELOG -------------------------------------------------------------------------------------------------------
@@ -341,7 +334,8 @@ def add_changelog(checkout: Path, sections: dict[str, list[str]]) -> None:
         path = checkout / CHANGELOGS[package]
         if not path.is_file():
             raise Conflict(f"upstream has no {CHANGELOGS[package]} to add our entries to")
-        path.write_text(insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package]), encoding="utf-8")
+        text = insert_entries(path.read_text(encoding="utf-8"), entries, CHANGELOGS[package])
+        path.write_text(text, encoding="utf-8")
         changed.append(CHANGELOGS[package])
     git(checkout, "add", "--", *changed)
 
@@ -368,7 +362,7 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
     source = read_series(repo / SOURCE_PATCHES.relative_to(REPO))
     tests = read_series(repo / TEST_PATCHES.relative_to(REPO)) if test_patches else []
     report = [f"base {base[:10]} ({original or 'detached HEAD'}) -> branch {branch}"]
-    missing = unclaimed(repo, source)
+    missing = unclaimed([n for n in own_files(repo) if not n.startswith(DOCS_FOLDER)], source)
     if missing:
         raise Failure(
             "our files that no patch claims (name them in the `Adds:` field of their patch, or in"
@@ -385,7 +379,7 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
     git(checkout, "checkout", "-q", "-b", branch)
     try:
         for patch in source:
-            alternatives = {base_name: found[patch.name] for base_name, found in recorded.items() if patch.name in found}
+            alternatives = {name: found[patch.name] for name, found in recorded.items() if patch.name in found}
             chosen = applicable(checkout, patch, "source", alternatives)
             if chosen is not patch:
                 active.add(chosen.path.parent.name)
@@ -407,7 +401,8 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
             extras = ", ".join(filter(None, [f"{len(laid)} own file(s)" if laid else "",
                                              f"{len(tests_here)} test patch(es)" if tests_here else "",
                                              "CHANGELOG" if patch.name[:4] in entries else ""]))
-            report.append(f"{sha}  {patch.name}{how}: {', '.join(patch.targets())}" + (f" + {extras}" if extras else ""))
+            targets = ", ".join(patch.targets())
+            report.append(f"{sha}  {patch.name}{how}: {targets}" + (f" + {extras}" if extras else ""))
         for test in accompanying.get("", []):
             apply_index(checkout, applicable(checkout, test, "test", {}))
             sha = commit(checkout, test.commit_message(), env)

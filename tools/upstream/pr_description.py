@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import HERE, REPO, SOURCE_PATCHES, TEST_PATCHES, Failure, SeriesPatch, read_series  # noqa: E402
+from _series import HERE, REPO, SOURCE_PATCHES, TEST_PATCHES, Failure, SeriesPatch, read_series, unclaimed  # noqa: E402
 
 try:  # the CHANGELOG reader and the list of our own files are make_pr's: one reading for both tools
     import make_pr
@@ -397,8 +397,8 @@ def check_adds(commits: list[Commit], repo: Path, warn) -> None:
             if not (repo / p).exists():
                 warn(f"{c.patch.name}: Adds: {p} does not exist in {repo}")
     if named and make_pr is not None and hasattr(make_pr, "own_files"):
-        unnamed = sorted(n for n in set(make_pr.own_files(repo)) - named - set(make_pr.fork_only())
-                         if not n.startswith(make_pr.DOCS_FOLDER))
+        unnamed = unclaimed([n for n in make_pr.own_files(repo) if not n.startswith(make_pr.DOCS_FOLDER)],
+                             [c.patch for c in commits])
         if unnamed:
             warn("own files that `make pr` commits but no Adds: names: " + ", ".join(unnamed))
 
