@@ -101,7 +101,8 @@ def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_packag
     )
     patches = _series_copy(tmp_path)
     first = patches / "0001-precision-training-iteration-hooks.patch"
-    first.write_text(first.read_text().replace("Forwarded:", "Adds: tests/tests_fabric/test_needs_0002.py\nForwarded:", 1))
+    claim = "Adds: tests/tests_fabric/test_needs_0002.py\nForwarded:"
+    first.write_text(first.read_text().replace("Forwarded:", claim, 1))
     (patches / "series").write_text(
         "0001-precision-training-iteration-hooks.patch\n0002-precision-tracks-optimizer-wrappers.patch\n"
     )
