@@ -17,6 +17,9 @@ NEWEST_TORCH ?= torch==2.14.1
 # What `make test` runs; the matrix leaves out tests/tests_forkbuild (the build's tests do not depend on torch, and are slow)
 TESTS ?= tests
 MATRIX_TESTS ?= tests/tests_pytorch tests/tests_fabric tests/tests_docs
+# 1: `make test` runs the behaviour tests a second time, renamed for the standalone import names (issue 15); the
+# matrix runs them under lightning's names only
+STANDALONE_NAMES ?= 1
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 UPSTREAM ?=
@@ -45,17 +48,22 @@ install: $(VENV)/.deps
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(STOCK_WHEEL)/*.whl
 	$(PY) -m pip check
 
-## test: every test of the repository, against the fork as installed from this checkout
+## test: every test of the repository, against the fork as installed from this checkout; then the behaviour tests
+##       again under the standalone names (pytorch_lightning, lightning_fabric), renamed into build/standalone-tests
 test: setup
 	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+ifeq ($(STANDALONE_NAMES),1)
+	$(PY) -m forkbuild standalone-tests -o build/standalone-tests
+	$(PY) -m pytest -c build/standalone-tests/pytest.ini build/standalone-tests $(PYTEST_ARGS)
+endif
 
 ## test-oldest-torch / test-newest-torch: the behaviour and docs tests on torch 2.1.2 / 2.14.1 (.venv-torch2.1, .venv-torch2.14);
 ##        any other torch: make test TORCH=torch==2.4.1 VENV=.venv-torch2.4 TESTS="tests/tests_pytorch tests/tests_fabric tests/tests_docs"
 test-oldest-torch:
-	$(MAKE) test TORCH="$(OLDEST_TORCH)" VENV=.venv-torch2.1 TESTS="$(MATRIX_TESTS)"
+	$(MAKE) test TORCH="$(OLDEST_TORCH)" VENV=.venv-torch2.1 TESTS="$(MATRIX_TESTS)" STANDALONE_NAMES=0
 
 test-newest-torch:
-	$(MAKE) test TORCH="$(NEWEST_TORCH)" VENV=.venv-torch2.14 TESTS="$(MATRIX_TESTS)"
+	$(MAKE) test TORCH="$(NEWEST_TORCH)" VENV=.venv-torch2.14 TESTS="$(MATRIX_TESTS)" STANDALONE_NAMES=0
 
 ## test-matrix: both ends of the torch matrix (the default torch is `make test`)
 test-matrix: test-oldest-torch test-newest-torch

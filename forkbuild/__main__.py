@@ -1,4 +1,5 @@
-"""``python -m forkbuild {tree,export,wheel}``: the developer's commands (see devtree and assemble)."""
+"""``python -m forkbuild {tree,export,wheel,standalone-tests}``: the developer's commands (see devtree, assemble and
+standalone_tests)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forkbuild import assemble, devtree, upstream
+from forkbuild import assemble, devtree, standalone_tests, upstream
 from forkbuild.pin import STANDALONE, BuildError
 
 
@@ -21,12 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     wheel.add_argument("-o", "--outdir", type=Path, default=Path("dist"))
     wheel.add_argument("--flavour", action="append", choices=sorted(assemble.FLAVOURS),
                        help="which wheel (repeatable); stock-pytorch-lightning is the tests' unpatched, renamed copy")
+    renamed = commands.add_parser(
+        "standalone-tests", help="the behaviour tests, renamed for pytorch_lightning / lightning_fabric"
+    )
+    renamed.add_argument("-o", "--outdir", type=Path, default=Path("build/standalone-tests"))
     args = parser.parse_args(argv)
     try:
         if args.command == "tree":
             print(f"materialised {devtree.materialise(force=args.force)}")
         elif args.command == "export":
             print("series:", *devtree.export(), sep="\n  ")
+        elif args.command == "standalone-tests":
+            root = Path(__file__).resolve().parent.parent
+            files = standalone_tests.generate(root / "tests", args.outdir, root / "pyproject.toml")
+            print(f"{args.outdir}: {len(files)} files")
         else:
             args.outdir.mkdir(parents=True, exist_ok=True)
             for name in args.flavour or ["lightning", STANDALONE]:
