@@ -11,7 +11,9 @@ cover:
    or on ``optimizer.optimizer`` before clipping, the user's own ``scaler.update()``;
 3. two optimizers fed by one backward: one scale update per iteration;
 4. ``optimizer.step_was_skipped``: true exactly on the steps whose gradients held inf, false without a scaler;
-5. the scaler saved and restored by ``fabric.save``/``fabric.load``.
+5. the scaler saved and restored by ``fabric.save``/``fabric.load``;
+6. misuse under a scaler: ``loss.backward()`` on a loss of the unwrapped module and a step of the raw optimizer raise,
+   changing nothing, where stock Fabric steps on gradients divided or multiplied by the scale.
 
 The negative controls run the same cells against the unpatched Fabric 2.6.6, ``stock_lightning_fabric`` (upstream's
 pytorch_lightning wheel renamed; in this process: it is a separate package, so no subprocess is needed, and it stays
@@ -19,6 +21,7 @@ the stock copy however the fork is installed), and show that the comparisons cat
 """
 
 import contextlib
+from typing import Any, Callable
 import warnings
 from unittest import mock
 
@@ -151,6 +154,92 @@ UNSCALE_CELLS = [
     )
     for clip in clips
 ] + [Cell("16-mixed", optimizer, fused, "norm", user_update=True) for optimizer, fused in _UNSCALE_OPTIMIZERS]
+
+
+def _misused_loop(misuse: str, package: str = "lightning") -> tuple["FabricLoop", list[torch.Tensor]]:
+    """One correct iteration, then a second whose gradients come from ``loss.backward()`` (``"unscaled-backward"``),
+    or whose step goes to the raw optimizer on scaled gradients (``"raw-step"``); returns the weights before it.
+
+    The unscaled backward runs on the module Fabric wrapped (``model.module``, or the reference to it a user kept
+    from before ``fabric.setup``): on the wrapper's own outputs Fabric already refuses ``loss.backward()``, stock too.
+    """
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package=package).train(range(1))
+    x, y = make_batches()[1]
+    loop.opts[0].zero_grad()
+    before = [p.detach().clone() for p in loop.model.parameters()]
+    if misuse == "unscaled-backward":
+        with loop.fabric.autocast():
+            loss = torch.nn.functional.mse_loss(loop.model.module(x), y)
+        loss.backward()
+    else:
+        loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+    return loop, before
+
+
+UNSCALED = "a backward without the loss scale accumulated"
+
+
+@pytest.mark.parametrize("action", ["step", "clip"])
+def test_loss_backward_instead_of_fabric_backward_raises(action):
+    """``loss.backward()`` under 16-mixed leaves gradients the scaler did not scale, which its step would divide by
+    the scale: the step (or clipping) raises, naming ``fabric.backward(loss)``, and changes nothing (stock steps)."""
+    loop, before = _misused_loop("unscaled-backward")
+    scale = loop.scaler.get_scale()
+    with pytest.raises(RuntimeError, match=UNSCALED) as error:
+        if action == "step":
+            loop.opts[0].step()
+        else:
+            loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
+    assert "fabric.backward(loss)" in str(error.value)
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert loop.scaler.get_scale() == scale
+
+
+def test_loss_backward_is_forgiven_once_the_gradients_are_cleared():
+    """Gradients of an unscaled backward that ``zero_grad`` cleared are gone: the next iteration is the recipe's."""
+    loop, _ = _misused_loop("unscaled-backward")
+    loop.opts[0].zero_grad()
+    loop.train(range(2, N_BATCHES))
+    # the recipe over the same batches, without batch 1; its inf stays in batch 2 (position 1 there)
+    batches = [b for i, b in enumerate(make_batches()) if i != 1]
+    expected = recipe_run(Cell("16-mixed", "SGD-momentum", inf_at=(1,)), batches)
+    assert params_differ(loop.finish().params, expected.params) == {}
+
+
+def test_raw_optimizer_step_on_scaled_gradients_raises():
+    loop, before = _misused_loop("raw-step")
+    with pytest.raises(RuntimeError, match="was called on the raw optimizer"):
+        loop.opts[0].optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    loop.opts[0].step()  # the wrapper's step is the recipe's
+    assert not all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+
+
+def _gradient_stepped(loop: "FabricLoop", step: Callable[[], Any]) -> float:
+    """The largest gradient entry that ``step`` applied: SGD's new momentum buffer minus the decayed old one."""
+    opt = loop.opts[0].optimizer
+    old = [opt.state[p]["momentum_buffer"].clone() for p in loop.model.parameters()]
+    step()
+    momentum = opt.param_groups[0]["momentum"]
+    return max(
+        (opt.state[p]["momentum_buffer"] - momentum * b).abs().max().item()
+        for p, b in zip(loop.model.parameters(), old)
+    )
+
+
+@pytest.mark.parametrize("misuse", ["unscaled-backward", "raw-step"])
+def test_stock_fabric_trains_silently_wrong_on_misuse(misuse):
+    """Negative control: stock Fabric 2.6.6 takes both steps without a word, on gradients divided by the scale or
+    multiplied by it."""
+    stock, _ = _misused_loop(misuse, package="stock_lightning_fabric")
+    wrong = _gradient_stepped(
+        stock, stock.opts[0].step if misuse == "unscaled-backward" else stock.opts[0].optimizer.step
+    )
+    reference, _ = _misused_loop("raw-step")  # the same batch through fabric.backward and the wrapper's step
+    right = _gradient_stepped(reference, reference.opts[0].step)
+    scale = reference.scaler.get_scale()
+    expected = right / scale if misuse == "unscaled-backward" else right * scale
+    assert wrong == pytest.approx(expected, rel=1e-2)  # fp16 rounding of the unscaled backward
 
 
 @pytest.mark.parametrize("cell", UNSCALE_CELLS, ids=lambda c: c.id)

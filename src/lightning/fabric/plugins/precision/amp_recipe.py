@@ -738,6 +738,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     gradients. Inside a marked iteration the update waits for its end, so a loop that interleaves backward and step of
     several optimizers (a GAN) gets one update per iteration, as in PyTorch's recipe.
 
+    Under an enabled scaler the parameters of every optimizer ``fabric.setup`` wraps are watched (as in the Trainer's
+    manual optimization): gradients accumulated by a backward the scaler did not scale (``loss.backward()`` instead of
+    ``fabric.backward(loss)``) make the next step or clipping of their optimizer raise, and so does a ``step()`` of the
+    raw optimizer on gradients still multiplied by the scale.
+
     """
 
     @override
@@ -749,6 +754,21 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         tensor = self._recipe.scale(tensor, self._known_optimizers)
         with self._recipe.backward():
             super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def track_optimizer_wrapper(self, wrapper: Any) -> None:
+        super().track_optimizer_wrapper(wrapper)
+        if self.scaler is not None and self.scaler.is_enabled():
+            # the loop is the user's: `loss.backward()` instead of `fabric.backward(loss)`, or a step of the raw
+            # optimizer, would leave gradients the scaler did not scale, or step on scaled ones: both raise instead of
+            # training silently wrong (a disabled scaler is refused at the first backward)
+            self._recipe.watch_unscaled_backward([wrapper.optimizer])
+
+    @override
+    def teardown(self) -> None:
+        if self._scaler_recipe is not None:
+            self._scaler_recipe.unwatch()
+        super().teardown()
 
     @override
     def training_iteration_start(self) -> None:
