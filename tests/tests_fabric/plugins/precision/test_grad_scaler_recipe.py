@@ -5,6 +5,7 @@ power-of-two scales, ``growth_interval=1``, injected infs, and compares paramete
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -113,6 +114,27 @@ def test_an_inf_check_without_a_step_still_backs_the_scale_off():
     recipe.scale(_loss(net, inf=True)).backward()
     recipe.unscale(opt)
     opt.zero_grad()
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**9
+
+
+def test_a_collected_optimizer_leaves_no_state_under_its_id():
+    """torch keys its per-optimizer state by ``id()``, which CPython hands to the next object of the same size: an
+    inner-loop optimizer created per step would inherit the stage of the one before (stepped, or unscaled) and have its
+    step refused or its gradients stepped still scaled. A collected optimizer's state is set aside at once, and its
+    inf check still backs the scale off at the update."""
+    net, _, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.iteration_start()
+    with recipe.backward():
+        recipe.scale(_loss(net, inf=True)).backward()
+    inner = torch.optim.SGD(net.parameters(), lr=0.1)
+    recipe.step(inner)
+    dead_id = id(inner)
+    assert dead_id in recipe.scaler._per_optimizer_states
+    del inner
+    gc.collect()
+    assert dead_id not in recipe.scaler._per_optimizer_states
     recipe.iteration_end()
     assert recipe.scaler.get_scale() == 2.0**9
 

@@ -191,11 +191,20 @@ class _TorchScalerAdapter:
     def retire(self, optimizer: Any) -> None:
         """Set a stepped (or unscaled) optimizer's state aside, so that it can run another step cycle in this
         iteration while its inf check still counts for the iteration's update."""
+        self._retire_key(id(optimizer))
+
+    def _retire_key(self, key: int) -> None:
         states = self._states()
-        state = states.pop(id(optimizer), None)
+        state = states.pop(key, None)
         if state is not None and state["found_inf_per_device"]:
             self._retired += 1
             states[-self._retired] = state  # negative keys are no object's id
+
+    def release_when_collected(self, optimizer: Any) -> None:
+        """torch keys the state by ``id()``, which a collected optimizer hands on to the next object (an inner-loop
+        optimizer created per step): when ``optimizer`` is collected, its state is retired, so a new optimizer never
+        inherits its stage, and its inf check still counts for the iteration's update."""
+        weakref.finalize(optimizer, _retire_collected, weakref.ref(self), id(optimizer))
 
     def forget(self, optimizer: Any) -> None:
         self._states().pop(id(optimizer), None)
@@ -308,6 +317,7 @@ class GradScalerRecipe:
         record = self._records.get(optimizer)
         if record is None:
             record = self._records[optimizer] = _OptimizerRecord()
+            self._torch.release_when_collected(optimizer)
         return record
 
     def _reconcile(self, optimizer: Any, aliases: Iterable[Any] = ()) -> _OptimizerRecord:
@@ -622,6 +632,12 @@ class GradScalerRecipe:
         self.__dict__.update(state)
         self._records = weakref.WeakKeyDictionary()
         self._aliases = lambda optimizer: ()
+
+
+def _retire_collected(adapter_ref: "weakref.ref[_TorchScalerAdapter]", key: int) -> None:
+    adapter = adapter_ref()
+    if adapter is not None:
+        adapter._retire_key(key)
 
 
 def _accumulate_grad_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", param: Tensor) -> None:
