@@ -28,7 +28,7 @@ REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
 
 SERIES_TESTS ?= all
-.PHONY: setup install test series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
+.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ test-newest-torch:
 
 ## test-matrix: both ends of the torch matrix (the default torch is `make test`)
 test-matrix: test-oldest-torch test-newest-torch
+
+## mutation-check: take each mechanism of the fork out (tools/mutation_check.py) and check that a test fails
+mutation-check: setup
+	$(PY) tools/mutation_check.py
 
 ## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic
 demo: setup

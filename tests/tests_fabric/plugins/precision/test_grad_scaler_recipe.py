@@ -195,6 +195,24 @@ def test_a_step_without_gradients_is_a_plain_step():
         scaler.step(opt)
 
 
+def test_watch_holds_what_it_watches_weakly():
+    """The watch knows its optimizers and parameters by identity, weakly: once collected they leave it, so a new
+    optimizer or parameter that CPython gives the same ``id()`` (an inner-loop optimizer created per step) is watched
+    too, not taken for one already watched."""
+    recipe = GradScalerRecipe(_scaler())
+    net, opt, _, _ = _twins()
+    recipe.watch_unscaled_backward([opt])
+    assert len(recipe._watched) == 3  # the optimizer, the weight and the bias
+    del net, opt
+    gc.collect()
+    assert len(recipe._watched) == 0
+    net, opt, _, _ = _twins()
+    recipe.watch_unscaled_backward([opt])
+    _loss(net).backward()
+    with pytest.raises(RuntimeError, match="a backward without the loss scale accumulated"):
+        recipe.step(opt)
+
+
 def test_watch_flags_a_plain_backward_at_the_step():
     net, opt, _, _ = _twins()
     recipe = GradScalerRecipe(_scaler())

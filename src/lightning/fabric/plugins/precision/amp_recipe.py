@@ -45,6 +45,7 @@ from lightning_utilities.core.imports import compare_version
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, SGD, Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from lightning.fabric.plugins.precision.precision import Precision
@@ -311,7 +312,8 @@ class GradScalerRecipe:
         # parameters a backward without the scale accumulated into, by id
         self._unscaled_accumulations: dict[int, Tensor] = {}
         self._hook_handles: list[Any] = []
-        self._watched: set[int] = set()
+        # the watched optimizers and parameters, held weakly by identity: a collected one's id() may come back
+        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _record(self, optimizer: Any) -> _OptimizerRecord:
         record = self._records.get(optimizer)
@@ -515,14 +517,14 @@ class GradScalerRecipe:
             return
         this = weakref.ref(self)
         for optimizer in optimizers:
-            if id(optimizer) not in self._watched:
-                self._watched.add(id(optimizer))
+            if optimizer not in self._watched:
+                self._watched[optimizer] = True
                 self._hook_handles.append(optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this)))
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if id(p) in self._watched or not p.requires_grad:
+                    if p in self._watched or not p.requires_grad:
                         continue
-                    self._watched.add(id(p))
+                    self._watched[p] = True
                     self._hook_handles.append(
                         p.register_post_accumulate_grad_hook(functools.partial(_accumulate_grad_hook, this))
                     )
@@ -625,12 +627,13 @@ class GradScalerRecipe:
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`); hooks and weak records stay in this process
         state = self.__dict__.copy()
-        state.update(_records=None, _aliases=None, _hook_handles=[], _watched=set(), _unscaled_accumulations={})
+        state.update(_records=None, _aliases=None, _hook_handles=[], _watched=None, _unscaled_accumulations={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._records = weakref.WeakKeyDictionary()
+        self._watched = WeakIdKeyDictionary()
         self._aliases = lambda optimizer: ()
 
 

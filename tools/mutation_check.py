@@ -1,0 +1,324 @@
+"""Remove each mechanism of the fork and watch a test fail: ``make mutation-check``.
+
+A test that cannot fail is a defect. Each :class:`Mutation` below takes one mechanism out of the fork as installed
+(one exact text replacement in one file of the installed ``lightning``) and runs the tests that must catch it. The
+mutated copy of the package goes into a temporary folder put first on ``PYTHONPATH``, so the installed fork is never
+touched. A mutation whose tests still pass *survived*: the mechanism is untested, and the run fails.
+
+A mutation whose text no longer occurs exactly once is *stale* (the code moved on): the run fails too, and
+``tests/tests_forkbuild/test_mutation_check.py`` checks that none is, on every ``make test``.
+
+Example::
+
+    make mutation-check                                  # every mutation (about 10 minutes on 2 cores)
+    .venv/bin/python tools/mutation_check.py --only fabric-watch --only cache-clear-after-step
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTORCH_RECIPE = "pytorch/plugins/precision/amp_recipe.py"
+FABRIC_RECIPE = "fabric/plugins/precision/amp_recipe.py"
+PRECISION_TESTS = "tests/tests_pytorch/plugins/precision"
+FABRIC_TESTS = "tests/tests_fabric/plugins/precision"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    #: the mechanism the mutation removes, and the behaviour that must then fail
+    removes: str
+    #: the file, relative to the installed ``lightning`` package
+    path: str
+    old: str
+    new: str
+    #: pytest arguments: the tests that must catch it
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "cache-clear-after-backward",
+        "autocast's cache is freed after every backward (patch 0005)",
+        PYTORCH_RECIPE,
+        "        if self.cache_enabled:\n"
+        "            # the graph that needed the cached casts is gone: free them now, as a run without the cache"
+        " would\n            torch.clear_autocast_cache()\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_autocast_cache.py",),
+    ),
+    Mutation(
+        "cache-clear-after-step",
+        "autocast's cache is cleared after every optimizer step: no stale casts after `opt.step()` (patch 0005)",
+        PYTORCH_RECIPE,
+        "        if self.cache_enabled:\n"
+        "            # the step changed the weights in place: casts cached before it are stale\n"
+        "            torch.clear_autocast_cache()\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_autocast_cache.py",),
+    ),
+    Mutation(
+        "cache-off-in-manual-optimization",
+        "the cache stays off in manual optimization, where weights may change in place between forwards (issue 12.2.9)",
+        PYTORCH_RECIPE,
+        "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE and not manual",
+        "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and inplace"),
+    ),
+    Mutation(
+        "clip-unscales-first",
+        "`self.clip_gradients` unscales before clipping (promise 3)",
+        PYTORCH_RECIPE,
+        "                self._recipe.unscale(*self._unwrap(optimizer))\n",
+        "                pass\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+    ),
+    Mutation(
+        "unscale-once",
+        "unscaling is idempotent: a second unscale in a step cycle does nothing (promise 4)",
+        FABRIC_RECIPE,
+        "        if record.stage is not GradientStage.READY:\n            return\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", f"{FABRIC_TESTS}/test_amp_fabric_recipe.py"),
+    ),
+    Mutation(
+        "update-once-per-iteration",
+        "one `scaler.update()` per iteration, after its last step, not after every step (promise 5)",
+        FABRIC_RECIPE,
+        "        if found_inf is not None:  # None only for an optimizer that unscales inside its own `step()`\n"
+        "            self._iteration_found_infs.append(found_inf)\n",
+        "        if found_inf is not None:  # None only for an optimizer that unscales inside its own `step()`\n"
+        "            self._iteration_found_infs.append(found_inf)\n"
+        "        self._settle()\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", f"{PRECISION_TESTS}/test_amp_iteration.py"),
+    ),
+    Mutation(
+        "update-after-unscale-without-step",
+        "an iteration that unscaled but did not step still updates, so the scale backs off (issue 12.2.3)",
+        FABRIC_RECIPE,
+        "        if self._torch.has_inf_checks():\n            self._torch.update()\n",
+        "        if self._iteration_found_infs:\n            self._torch.update()\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+    ),
+    Mutation(
+        "checkpoint-mid-iteration",
+        "a checkpoint saved mid-iteration leaves the live run alone (issue 12.2.1)",
+        FABRIC_RECIPE,
+        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n"
+        "        return self.scaler.state_dict()\n",
+        "        self._settle()\n        return self.scaler.state_dict()\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "tests/tests_pytorch/checkpointing/test_amp_resume.py"),
+    ),
+    Mutation(
+        "refuse-unscaled-then-backward",
+        "a backward onto gradients unscaled without a step raises (the accumulation pitfall, issue 12.2.5)",
+        FABRIC_RECIPE,
+        "            if _holds_live_gradients(optimizer):\n                raise RuntimeError(\n",
+        "            if False:\n                raise RuntimeError(\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "trainer-watch",
+        "`loss.backward()` and raw optimizer steps under 16-mixed raise in manual optimization (promise 8)",
+        PYTORCH_RECIPE,
+        "            self._recipe.watch_unscaled_backward(optimizers)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (misuse or raw_optimizer)"),
+    ),
+    Mutation(
+        "fabric-watch",
+        "the same under Fabric, for the optimizers `fabric.setup` wraps",
+        FABRIC_RECIPE,
+        "            self._recipe.watch_unscaled_backward([wrapper.optimizer])\n",
+        "            pass\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "backward or raw"),
+    ),
+    Mutation(
+        "disabled-scaler-refused",
+        "a scaler torch disabled is refused before training (issue 12.2.8)",
+        FABRIC_RECIPE,
+        "    if scaler is None or scaler.is_enabled():\n        return\n",
+        "    return\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (scaler_disabled or cuda_scaler)"),
+    ),
+    Mutation(
+        "zero-dim-inf-checks",
+        "fused optimizers get 0-dim inf checks from `ShardedGradScaler` (FSDP + fused, issue 12.2.10)",
+        FABRIC_RECIPE,
+        "            self._torch.zero_dim_inf_checks(optimizer)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_fsdp_amp_recipe.py",),
+    ),
+    Mutation(
+        "fused-sgd-momentum",
+        "fused SGD gets zero momentum buffers before a first step the scaler may skip",
+        FABRIC_RECIPE,
+        "        _protect_fused_sgd_momentum(optimizer)\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "momentum"),
+    ),
+    Mutation(
+        "no-step-without-gradients",
+        "a step with no gradients is a plain step, not torch's bare AssertionError (issue 12.2.12)",
+        FABRIC_RECIPE,
+        '        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):\n',
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+    ),
+    Mutation(
+        "collected-optimizer-released",
+        "a collected optimizer's torch scaler state leaves its id() at once",
+        FABRIC_RECIPE,
+        "            self._torch.release_when_collected(optimizer)\n",
+        "",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+    ),
+    Mutation(
+        "schedulers-hold-on-skipped-steps",
+        "a step-interval LR scheduler does not advance on a skipped step (patch 0006)",
+        "pytorch/loops/training_epoch_loop.py",
+        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer)\n",
+        "                    and False\n",
+        (f"{PRECISION_TESTS}/test_amp_skipped_steps.py",),
+    ),
+    Mutation(
+        "fabric-save-carries-the-scale",
+        "`fabric.save` stores the scaler's state for a state without the plugin (patch 0013)",
+        "fabric/fabric.py",
+        "        if precision_state and not self._holds_precision_state(unwrapped_state):\n",
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "resume"),
+    ),
+    Mutation(
+        "fabric-clip-tolerates-overflow",
+        "`fabric.clip_gradients` under a scaler does not raise on an overflow step by default (patch 0014)",
+        "fabric/fabric.py",
+        '                error_if_nonfinite = getattr(self._precision, "scaler", None) is None\n',
+        "                error_if_nonfinite = True\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "clip"),
+    ),
+    Mutation(
+        "fabric-training-iteration",
+        "`fabric.training_iteration()` opens an iteration: one update per iteration in a GAN loop (patch 0015)",
+        "fabric/fabric.py",
+        "        self._precision.training_iteration_start()\n",
+        "",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "interleaved"),
+    ),
+    Mutation(
+        "fabric-step-methods-in-precision",
+        "a LightningModule's step methods run under the precision's autocast on one device (patch 0016)",
+        "fabric/wrappers.py",
+        "                return self._in_forward_context(getattr(original_module, item))\n",
+        "                return getattr(original_module, item)\n",
+        ("tests/tests_fabric/test_fabric_lightning_module.py",),
+    ),
+)
+
+
+def installed_package() -> Path:
+    spec = importlib.util.find_spec("lightning")
+    if spec is None or spec.origin is None:
+        raise SystemExit("mutation-check: `lightning` is not installed in this Python (run `make setup` first)")
+    return Path(spec.origin).parent
+
+
+def stale(package: Path, mutations: tuple[Mutation, ...] = MUTATIONS) -> list[str]:
+    """The mutations whose text does not occur exactly once in the installed package."""
+    problems = []
+    for m in mutations:
+        count = (package / m.path).read_text(encoding="utf-8").count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: its text occurs {count} times in lightning/{m.path}")
+    return problems
+
+
+def _pytest(tests: tuple[str, ...], pythonpath: str = "") -> tuple[int, str]:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *tests,
+            "-o",
+            "addopts=--strict-markers --import-mode=importlib",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return result.returncode, "\n".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+
+
+def baseline(mutation: Mutation) -> None:
+    """The tests pass on the fork as installed, so a failure under the mutation is the mutation's."""
+    returncode, tail = _pytest(mutation.tests)
+    if returncode != 0:
+        raise SystemExit(f"mutation-check: the tests of {mutation.name} fail without the mutation:\n{tail}")
+
+
+def run(mutation: Mutation, package: Path, scratch: Path) -> tuple[bool, float, str]:
+    """(killed, seconds, the tests' last lines) of one mutation, on a mutated copy of ``package``."""
+    copy = scratch / mutation.name / "lightning"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / mutation.path
+    target.write_text(target.read_text(encoding="utf-8").replace(mutation.old, mutation.new), encoding="utf-8")
+    started = time.perf_counter()
+    returncode, tail = _pytest(mutation.tests, pythonpath=str(copy.parent))
+    shutil.rmtree(copy.parent)
+    if returncode not in (0, 1):
+        raise SystemExit(f"mutation-check: the tests of {mutation.name} did not run (exit {returncode}):\n{tail}")
+    return returncode == 1, time.perf_counter() - started, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="run this mutation only (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="do not first check that each selection passes")
+    args = parser.parse_args(argv)
+    selected = tuple(m for m in MUTATIONS if not args.only or m.name in args.only)
+    if args.list or not selected:
+        for m in MUTATIONS:
+            print(f"{m.name:36} {m.removes}")
+        return 0 if selected else 2
+    package = installed_package()
+    problems = stale(package, selected)
+    if problems:
+        print("stale mutations (update tools/mutation_check.py):", *problems, sep="\n  ")
+        return 1
+    survived = []
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as scratch:
+        for m in selected:
+            if not args.no_baseline:
+                baseline(m)
+            killed, seconds, tail = run(m, package, Path(scratch))
+            print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:36} {seconds:6.1f} s  {m.removes}", flush=True)
+            if not killed:
+                survived.append(m.name)
+                print("    " + tail.replace("\n", "\n    "))
+    print(f"{len(selected) - len(survived)} of {len(selected)} mutations killed")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
