@@ -620,3 +620,23 @@ def test_post_accumulate_grad_hook_fires_after_each_backward():
     (param * 2.0).sum().backward()
     (param * 3.0).sum().backward()
     assert [g.tolist() for g in seen] == [[2.0] * 3, [5.0] * 3]
+
+
+def test_weak_id_key_dictionary_keys_tensors_by_identity_and_drops_collected_ones():
+    """``torch.utils.weak.WeakIdKeyDictionary`` (torch 2.0) looks tensors up by identity (a ``WeakKeyDictionary``
+    cannot: ``Tensor.__eq__`` is elementwise) and forgets a key once it is collected.
+
+    The fork's misuse watch records the optimizers and parameters it hooked in one, so that a collected one's ``id()``,
+    which CPython hands to the next object, does not make a new parameter look watched already.
+    """
+    import gc
+
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    watched = WeakIdKeyDictionary()
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    watched[a] = True
+    assert a in watched and b not in watched  # equal values, different tensors
+    del a
+    gc.collect()
+    assert len(watched) == 0
