@@ -10,7 +10,7 @@ A mutation whose text no longer occurs exactly once is *stale* (the code moved o
 
 Example::
 
-    make mutation-check                                  # every mutation (about 10 minutes on 2 cores)
+    make mutation-check                                  # every mutation (about 5 minutes on 2 cores)
     .venv/bin/python tools/mutation_check.py --only fabric-watch --only cache-clear-after-step
 """
 
@@ -185,6 +185,67 @@ MUTATIONS = (
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
     ),
     Mutation(
+        "autocast-off-outside-forward",
+        "`manual_backward`, clipping and the step run with autocast off in manual optimization (promise 1)",
+        PYTORCH_RECIPE,
+        "        if not _autocast_enabled(self._autocast_device):\n            yield\n            return\n",
+        "        yield\n        return\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+    ),
+    Mutation(
+        "update-when-an-iteration-opens",
+        "an update owed by a step outside an iteration is applied when the next one opens (issue 12.2.2)",
+        FABRIC_RECIPE,
+        "        self._settle()\n        self.phase = IterationPhase.INSIDE\n",
+        "        self.phase = IterationPhase.INSIDE\n",
+        (
+            f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",
+            f"{PRECISION_TESTS}/test_amp_differential.py",
+            "-k",
+            "test_fork and on_train_epoch_end",
+        ),
+    ),
+    Mutation(
+        "fabric-update-before-the-next-backward",
+        "outside a marked iteration (Fabric's loop), the owed update is applied before the next loss is scaled",
+        FABRIC_RECIPE,
+        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n        if self._records or",
+        "        if self._records or",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py",),
+    ),
+    Mutation(
+        "users-unscale-through-a-wrapper",
+        "`scaler.unscale_(lightning_optimizer)` by the user is read from the scaler: no second unscale (promise 4)",
+        FABRIC_RECIPE,
+        "        self._torch.adopt(optimizer, aliases)\n",
+        "",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
+    ),
+    Mutation(
+        "dtype-mismatch-advice",
+        "the autocast cache's dtype mismatch gets the `cache_enabled=False` advice (issue 12.2.13)",
+        "pytorch/plugins/precision/amp.py",
+        "                if self.cache_enabled and _is_autocast_cache_dtype_mismatch(err):\n",
+        "                if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and dtype_mismatch"),
+    ),
+    Mutation(
+        "loss-scale-monitor-per-optimizer-step",
+        "`LossScaleMonitor` logs once per optimizer step under gradient accumulation (issue 12.2.11)",
+        "pytorch/callbacks/loss_scale_monitor.py",
+        "        if epoch_loop._should_accumulate():\n            return  #",
+        "        if False:\n            return  #",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and loss_scale_monitor"),
+    ),
+    Mutation(
+        "trainer-clip-returns-the-norm",
+        "`self.clip_gradients` returns the total norm of the unscaled gradients (patch 0014)",
+        "pytorch/core/module.py",
+        "        return self.trainer.precision_plugin.clip_gradients(",
+        "        self.trainer.precision_plugin.clip_gradients(",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and returns_the_unscaled_norm"),
+    ),
+    Mutation(
         "schedulers-hold-on-skipped-steps",
         "a step-interval LR scheduler does not advance on a skipped step (patch 0006)",
         "pytorch/loops/training_epoch_loop.py",
@@ -299,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = tuple(m for m in MUTATIONS if not args.only or m.name in args.only)
     if args.list or not selected:
         for m in MUTATIONS:
-            print(f"{m.name:36} {m.removes}")
+            print(f"{m.name:40} {m.removes}")
         return 0 if selected else 2
     package = installed_package()
     problems = stale(package, selected)
@@ -312,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_baseline:
                 baseline(m)
             killed, seconds, tail = run(m, package, Path(scratch))
-            print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:36} {seconds:6.1f} s  {m.removes}", flush=True)
+            print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:40} {seconds:6.1f} s  {m.removes}", flush=True)
             if not killed:
                 survived.append(m.name)
                 print("    " + tail.replace("\n", "\n    "))

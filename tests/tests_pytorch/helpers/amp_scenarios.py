@@ -972,6 +972,41 @@ def accumulate_clip_step(self, batch, batch_idx):
         opt.zero_grad()
 
 
+def _norm_record(norm: Optional[torch.Tensor]) -> Optional[str]:
+    """A total norm as recorded: ``repr`` of the float, so that the inf/NaN of an overflow step compare equal."""
+    return None if norm is None else repr(norm.item())
+
+
+def recipe_clip_norm_returned(rc: RecipeRun, opts: list) -> None:
+    # the total norm that `clip_grad_norm_` returns, of the unscaled gradients (inf/NaN on the overflow step)
+    (opt,) = opts
+    for i, (x, y) in rc.batches():
+        with rc.autocast():
+            loss = rc.inject(mlp_loss(rc.net, x, y), i)
+        rc.scaler.scale(loss).backward()
+        rc.scaler.unscale_(opt)
+        rc.records.append(_norm_record(torch.nn.utils.clip_grad_norm_(optimizer_params(opt), CLIP_NORM)))
+        rc.scaler.step(opt)
+        rc.scaler.update()
+        opt.zero_grad()
+
+
+def clip_norm_returned_step(self, batch, batch_idx):
+    opt = self.optimizers()
+    x, y = batch
+    opt.zero_grad()
+    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
+    self.records.append(
+        _norm_record(self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm"))
+    )
+    opt.step()
+
+
+def _clips(result: RunResult) -> bool:
+    finite = [float(norm) for norm in result.records if norm is not None and math.isfinite(float(norm))]
+    return bool(finite) and min(finite) > CLIP_NORM
+
+
 def recipe_monitored_accumulation(rc: RecipeRun, opts: list) -> None:
     """Accumulation over 2 batches, then what ``LossScaleMonitor`` must log: once per optimizer step, the scale after
     it and the number of skipped steps so far."""
@@ -1498,6 +1533,16 @@ def _scenarios() -> list[Scenario]:
             {"16-mixed": Raises((AttributeError,), r"step_was_skipped", unchanged=False)},
             schedulers=step_lr,
             sharp=_lr_held_on_the_skipped_step,
+        ),
+        Scenario(
+            "clip_gradients_returns_the_unscaled_norm",
+            "issue 16 item 1: self.clip_gradients returns the total norm of the unscaled gradients, as torch's does",
+            clip_norm_returned_step,
+            recipe_clip_norm_returned,
+            PRECISIONS,
+            EQUAL,
+            {"16-mixed": Differs("parameters differ"), "bf16-mixed": Differs("records"), "32": Differs("records")},
+            sharp=_clips,
         ),
         Scenario(
             "accumulate_clip_on_stepping_batches",
