@@ -205,7 +205,8 @@ class _TorchScalerAdapter:
         """torch keys the state by ``id()``, which a collected optimizer hands on to the next object (an inner-loop
         optimizer created per step): when ``optimizer`` is collected, its state is retired, so a new optimizer never
         inherits its stage, and its inf check still counts for the iteration's update."""
-        weakref.finalize(optimizer, _retire_collected, weakref.ref(self), id(optimizer))
+        release = weakref.finalize(optimizer, _retire_collected, weakref.ref(self), id(optimizer))
+        release.atexit = False  # at interpreter exit there is no next optimizer to protect
 
     def forget(self, optimizer: Any) -> None:
         self._states().pop(id(optimizer), None)
