@@ -17,9 +17,9 @@ NEWEST_TORCH ?= torch==2.14.1
 # What `make test` runs; the matrix leaves out tests/tests_forkbuild (the build's tests do not depend on torch, and are slow)
 TESTS ?= tests
 MATRIX_TESTS ?= tests/tests_pytorch tests/tests_fabric tests/tests_docs
-# 1: `make test` runs the behaviour tests a second time, renamed for the standalone import names (issue 15); the
-# matrix runs them under lightning's names only
-STANDALONE_NAMES ?= 1
+# 1: `make test` runs the behaviour tests a second time, renamed for the standalone import names (issue 15); by
+# default only when it runs every test (TESTS=tests), so the matrix and a TESTS= selection run them once
+STANDALONE_NAMES ?= $(if $(filter tests,$(TESTS)),1,0)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 UPSTREAM ?=
@@ -60,10 +60,10 @@ endif
 ## test-oldest-torch / test-newest-torch: the behaviour and docs tests on torch 2.1.2 / 2.14.1 (.venv-torch2.1, .venv-torch2.14);
 ##        any other torch: make test TORCH=torch==2.4.1 VENV=.venv-torch2.4 TESTS="tests/tests_pytorch tests/tests_fabric tests/tests_docs"
 test-oldest-torch:
-	$(MAKE) test TORCH="$(OLDEST_TORCH)" VENV=.venv-torch2.1 TESTS="$(MATRIX_TESTS)" STANDALONE_NAMES=0
+	$(MAKE) test TORCH="$(OLDEST_TORCH)" VENV=.venv-torch2.1 TESTS="$(MATRIX_TESTS)"
 
 test-newest-torch:
-	$(MAKE) test TORCH="$(NEWEST_TORCH)" VENV=.venv-torch2.14 TESTS="$(MATRIX_TESTS)" STANDALONE_NAMES=0
+	$(MAKE) test TORCH="$(NEWEST_TORCH)" VENV=.venv-torch2.14 TESTS="$(MATRIX_TESTS)"
 
 ## test-matrix: both ends of the torch matrix (the default torch is `make test`)
 test-matrix: test-oldest-torch test-newest-torch
