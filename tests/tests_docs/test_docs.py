@@ -240,7 +240,9 @@ def test_docs_patches_are_well_formed() -> None:
         assert re.search(r"^Forwarded: \S", patch.header, re.MULTILINE), f"{path.name}: no Forwarded header"
         assert path.name not in wheel_series, f"{path.name}: docs patches are not applied to the wheel"
         for file_patch in patch.files:
-            assert file_patch.path.startswith("docs/source-pytorch/"), f"{path.name}: {file_patch.path}"
+            assert file_patch.path.startswith(("docs/source-pytorch/", "docs/source-fabric/")), (
+                f"{path.name}: {file_patch.path}"
+            )
             for hunk in file_patch.hunks:
                 new_lines = [line for line in hunk.new if line not in hunk.old]
                 added.setdefault(file_patch.path, []).extend(new_lines)
@@ -259,3 +261,8 @@ def test_docs_patches_are_well_formed() -> None:
     precision_links = "".join(added["docs/source-pytorch/common/precision.rst"])
     assert "precision_mixed.html" in precision_links
     assert ":ref:`precision_mixed`" in "".join(added["docs/source-pytorch/common/precision_intermediate.rst"])
+    # 0005/0006: Fabric's precision and checkpoint guides say what a loop under the scaler gets, and what is saved
+    fabric_precision = "".join(added["docs/source-fabric/fundamentals/precision.rst"])
+    for api in ("fabric.training_iteration()", "step_was_skipped", "error_if_nonfinite=True", "fabric.backward(loss)"):
+        assert api in fabric_precision, api
+    assert '``"MixedPrecision"``' in "".join(added["docs/source-fabric/guide/checkpoint/checkpoint.rst"])
