@@ -308,7 +308,7 @@ def stale(package: Path, mutations: tuple[Mutation, ...] = MUTATIONS) -> list[st
 def _pytest(tests: tuple[str, ...], pythonpath: str = "") -> tuple[int, str]:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [
             sys.executable,
