@@ -189,3 +189,9 @@ def test_the_repositorys_series(tmp_path: Path) -> None:
              if ln.strip() and not ln.startswith("#")]
     at = [done.stdout.index(f"\n### {name[:4]}. ") for name in names]
     assert at == sorted(at) and "## Proposed split for review" in done.stdout and "Closes #" in done.stdout
+    # the documentation commits: our pages and every docs patch, by the first line of its Description
+    docs = done.stdout[done.stdout.index("## Documentation") :]
+    assert "docs/source-pytorch/model/manual_optimization_mixed_precision.rst" in docs
+    for name in (REPO / "docs" / "patches" / "series").read_text().splitlines():
+        if name.strip() and not name.startswith("#"):
+            assert f"- `{name.strip()[: -len('.patch')]}`: " in docs

@@ -351,6 +351,19 @@ def split_section(commits: list[Commit], warn) -> list[str]:
     return out
 
 
+def docs_section(docs_patches: list[SeriesPatch], pages: list[str]) -> list[str]:
+    """The documentation commits at the end of the branch: our pages, then one commit per docs patch."""
+    if not docs_patches and not pages:
+        return []
+    out = ["## Documentation", ""]
+    if pages:
+        out += [f"New pages (every example on them runs in the fork's tests): {quoted(pages)}.", ""]
+    for patch in docs_patches:
+        subject = patch.fields().get("Description", patch.stem).split("\n")[0]
+        out.append(f"- `{patch.stem}`: {subject}")
+    return out + [""]
+
+
 def issues_section(commits: list[Commit]) -> list[str]:
     issues: dict[str, list[str]] = {}
     pulls: dict[str, list[str]] = {}
@@ -369,7 +382,8 @@ def issues_section(commits: list[Commit]) -> list[str]:
 
 
 def describe(patches: list[SeriesPatch], changelog: Path, results: Path, test_patches: list[SeriesPatch],
-             repo: Path | None = None, short: bool = False, warn=lambda message: None) -> str:
+             repo: Path | None = None, short: bool = False, warn=lambda message: None,
+             docs_patches: tuple[SeriesPatch, ...] = (), pages: tuple[str, ...] = ()) -> str:
     commits = [commit_of(p, short) for p in patches]
     all_issues = list(dict.fromkeys(i for c in commits for i in c.closes))
     groups, declared = split_groups(commits, lambda message: None)
@@ -383,6 +397,7 @@ def describe(patches: list[SeriesPatch], changelog: Path, results: Path, test_pa
     out += commits_section(commits)
     out += behaviour_section(commits, changelog, test_patches)
     out += ["## Test evidence", ""] + upstream_evidence(results, patches, warn) + own_tests(commits, repo)
+    out += docs_section(docs_patches, pages)
     out += split_section(commits, warn)
     out += issues_section(commits)
     if repo is not None:
@@ -434,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     if not patches:
         print(f"pr_description: {patches_dir} has no series (or an empty one)", file=sys.stderr)
         return 2
-    text = describe(patches, args.changelog, args.results, test_patches, repo, args.short, warn)
+    docs_patches, pages = [], []
+    if repo is not None:  # our checkout: its docs patches and pages
+        docs_patches = read_series(REPO / "docs" / "patches")
+        pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "source-pytorch").rglob("*.rst"))
+    text = describe(patches, args.changelog, args.results, test_patches, repo, args.short, warn, docs_patches, pages)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "PR.md").write_text(text, encoding="utf-8")
     print(text, end="")
