@@ -10,7 +10,7 @@ A mutation whose text no longer occurs exactly once is *stale* (the code moved o
 
 Example::
 
-    make mutation-check                                  # every mutation (about 5 minutes on 2 cores)
+    make mutation-check                                  # every mutation (about 8 minutes on 2 cores)
     .venv/bin/python tools/mutation_check.py --only fabric-watch --only cache-clear-after-step
 """
 
