@@ -52,7 +52,7 @@ def test_nothing_in_the_copy_imports_lightning(renamed: Path) -> None:
 
 def _pytest(root: Path, test: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(root / "pytest.ini"), "-q", "-p", "no:randomly", str(root / test)],
+        [sys.executable, "-m", "pytest", "-c", str(root / "pytest.ini"), "-q", str(root / test)],
         capture_output=True,
         text=True,
         cwd=root,

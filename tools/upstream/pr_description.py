@@ -383,7 +383,7 @@ def issues_section(commits: list[Commit]) -> list[str]:
 
 def describe(patches: list[SeriesPatch], changelog: Path, results: Path, test_patches: list[SeriesPatch],
              repo: Path | None = None, short: bool = False, warn=lambda message: None,
-             docs_patches: tuple[SeriesPatch, ...] = (), pages: tuple[str, ...] = ()) -> str:
+             docs_patches: list[SeriesPatch] | None = None, pages: list[str] | None = None) -> str:
     commits = [commit_of(p, short) for p in patches]
     all_issues = list(dict.fromkeys(i for c in commits for i in c.closes))
     groups, declared = split_groups(commits, lambda message: None)
@@ -397,7 +397,7 @@ def describe(patches: list[SeriesPatch], changelog: Path, results: Path, test_pa
     out += commits_section(commits)
     out += behaviour_section(commits, changelog, test_patches)
     out += ["## Test evidence", ""] + upstream_evidence(results, patches, warn) + own_tests(commits, repo)
-    out += docs_section(docs_patches, pages)
+    out += docs_section(docs_patches or [], pages or [])
     out += split_section(commits, warn)
     out += issues_section(commits)
     if repo is not None:
@@ -450,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pr_description: {patches_dir} has no series (or an empty one)", file=sys.stderr)
         return 2
     docs_patches, pages = [], []
-    if repo is not None:  # our checkout: its docs patches and pages
+    if repo is not None and make_pr is not None:  # our checkout: the docs commits `make pr` makes from it
         docs_patches = read_series(REPO / "docs" / "patches")
-        pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs" / "source-pytorch").rglob("*.rst"))
+        pages = sorted(n for n in make_pr.own_files(REPO) if n.startswith(make_pr.DOCS_FOLDER))
     text = describe(patches, args.changelog, args.results, test_patches, repo, args.short, warn, docs_patches, pages)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "PR.md").write_text(text, encoding="utf-8")

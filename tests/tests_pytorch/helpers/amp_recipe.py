@@ -714,7 +714,9 @@ def manual_clip(algorithm: str) -> Callable:
         loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
         self.manual_backward(loss)
         clip_val = CLIP_NORM if algorithm == "norm" else CLIP_VALUE
-        self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        norm = self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        if algorithm == "norm":  # what it returns, as `clip_reference` records torch's (stock returns None)
+            self.records.append(("norm", None if norm is None else norm.item()))
         opt.step()
 
     return training_step

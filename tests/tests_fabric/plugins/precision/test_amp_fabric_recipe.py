@@ -215,6 +215,18 @@ def test_raw_optimizer_step_on_scaled_gradients_raises():
     assert not all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
 
 
+def test_teardown_removes_the_watch():
+    """The strategy's teardown takes the watch's hooks off the parameters (they outlive the run otherwise)."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
+    recipe = loop.precision_plugin._recipe
+    assert recipe._hook_handles
+    loop.fabric.strategy.teardown()
+    assert recipe._hook_handles == []
+    x, y = make_batches()[0]
+    torch.nn.functional.mse_loss(loop.model.module(x), y).backward()
+    assert recipe._unscaled_accumulations == {}
+
+
 def _gradient_stepped(loop: "FabricLoop", step: Callable[[], Any]) -> float:
     """The largest gradient entry that ``step`` applied: SGD's new momentum buffer minus the decayed old one."""
     opt = loop.opts[0].optimizer
