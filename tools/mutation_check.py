@@ -115,18 +115,28 @@ MUTATIONS = (
         "checkpoint-mid-iteration",
         "a checkpoint saved mid-iteration leaves the live run alone (issue 12.2.1)",
         FABRIC_RECIPE,
-        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n"
-        "        return self.scaler.state_dict()\n",
-        "        self._settle()\n        return self.scaler.state_dict()\n",
+        "            include_owed_update = self.phase is IterationPhase.OUTSIDE\n",
+        "            include_owed_update = True\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "tests/tests_pytorch/checkpointing/test_amp_resume.py"),
     ),
     Mutation(
-        "refuse-unscaled-then-backward",
-        "a backward onto gradients unscaled without a step raises (the accumulation pitfall, issue 12.2.5)",
+        "refuse-mixed-scales",
+        "gradients unscaled without a step and then reached by a scaled backward are refused at the step and at"
+        " clipping (the accumulation pitfall, issue 12.2.5)",
         FABRIC_RECIPE,
-        "            if _holds_live_gradients(optimizer):\n                raise RuntimeError(\n",
-        "            if False:\n                raise RuntimeError(\n",
+        "    def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:\n"
+        "        if not record.mixed_scales:\n",
+        "    def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:\n        if True:\n",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "watch-unscaled-during-backward",
+        "a scaled backward that reaches an optimizer's unscaled, not yet stepped gradients flags them; one that does"
+        " not reach them leaves them to step (issue 21.6)",
+        FABRIC_RECIPE,
+        "                self._watch_unscaled(optimizer)\n                return\n",
+        "                return\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_the_step"),
     ),
     Mutation(
         "trainer-watch",
@@ -148,8 +158,8 @@ MUTATIONS = (
         "fabric-teardown-unwatches",
         "Fabric's teardown takes the watch's hooks off the parameters",
         FABRIC_RECIPE,
-        "        if self._scaler_recipe is not None:\n            self._scaler_recipe.unwatch()\n",
-        "",
+        "            self._scaler_recipe.finish()\n            self._scaler_recipe.unwatch()\n        super().teardown()\n",
+        "            self._scaler_recipe.finish()\n        super().teardown()\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
     ),
     Mutation(
@@ -180,7 +190,7 @@ MUTATIONS = (
         "no-step-without-gradients",
         "a step with no gradients is a plain step, not torch's bare AssertionError (issue 12.2.12)",
         FABRIC_RECIPE,
-        '        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):\n',
+        "        if self._torch.found_inf(optimizer) is None and not _handles_unscaling_itself(optimizer):\n",
         "        if False:\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
     ),
@@ -217,8 +227,8 @@ MUTATIONS = (
         "fabric-update-before-the-next-backward",
         "outside a marked iteration (Fabric's loop), the owed update is applied before the next loss is scaled",
         FABRIC_RECIPE,
-        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n        if self._records or",
-        "        if self._records or",
+        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n        self._stop_watching",
+        "        self._stop_watching",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py",),
     ),
     Mutation(
@@ -292,6 +302,126 @@ MUTATIONS = (
         "                return self._in_forward_context(getattr(original_module, item))\n",
         "                return getattr(original_module, item)\n",
         ("tests/tests_fabric/test_fabric_lightning_module.py",),
+    ),
+    Mutation(
+        "update-after-the-last-optimizer-steps",
+        "once every optimizer of the run has stepped, the update follows at once: the scale read after the step shows"
+        " a skip, and a second step cycle of one optimizer unscales afresh (issues 21.9, 21.5)",
+        FABRIC_RECIPE,
+        "        if all(r is not None and r.stage is GradientStage.STEPPED for r in records):\n",
+        "        if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "says_whether_it_was_skipped or second_step_cycle"),
+    ),
+    Mutation(
+        "refusal-before-any-transition",
+        "a scaled backward refused for gradients without the scale is refused before any optimizer changes stage"
+        " (issue 21.16)",
+        FABRIC_RECIPE,
+        "            # before any transition: a refused backward leaves every optimizer as it was\n"
+        '            self._check_no_unscaled_accumulations(self._unscaled_accumulations.values(), "a scaled backward")\n',
+        "            pass\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_backward"),
+    ),
+    Mutation(
+        "closures-refused-under-the-scaler",
+        "`opt.step(closure)` under an enabled scaler raises as torch does, instead of stepping on scaled gradients"
+        " (issue 21.1)",
+        FABRIC_RECIPE,
+        '        if kwargs.get("closure") is not None:\n',
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "closure"),
+    ),
+    Mutation(
+        "every-step-unscales",
+        "every step goes through the scaler's `unscale_`, whatever the gradients hold (FSDP's all-reduces pair,"
+        " issue 21.4; the skip of a step whose clip found an inf, issue 21.15)",
+        FABRIC_RECIPE,
+        "        if self._torch.has_scaled():\n            self.unscale(optimizer, required=False)\n",
+        "",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "through_the_scalers_unscale or recorded_by_clipping"),
+    ),
+    Mutation(
+        "zeroed-gradients-of-an-earlier-iteration-step",
+        "gradients unscaled in an earlier iteration and zeroed since step as torch steps them (issue 21.14)",
+        FABRIC_RECIPE,
+        "            if not _holds_live_gradients(optimizer):\n"
+        "                # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle\n",
+        "            if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "earlier_iteration_and_zeroed"),
+    ),
+    Mutation(
+        "state-dict-is-pure",
+        "the scaler's state for a checkpoint holds the owed update without applying it: a save changes nothing"
+        " (issue 21.8)",
+        FABRIC_RECIPE,
+        "            self._torch.project_owed_update(state)\n",
+        "            self._settle()\n            state = self.scaler.state_dict()\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "a_save_changes_nothing"),
+    ),
+    Mutation(
+        "fabric-save-bare-scaler",
+        "a bare `GradScaler` in `fabric.save`'s state is saved as the plugin's state, the owed update included"
+        " (issue 21.8)",
+        "fabric/fabric.py",
+        "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in unwrapped_state.items()}\n",
+        "            pass\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "bare_scaler"),
+    ),
+    Mutation(
+        "trainer-teardown-applies-the-owed-update",
+        "an update owed by a step in `on_train_epoch_end` is applied when training ends (issue 21.10)",
+        PYTORCH_RECIPE,
+        "            self._scaler_recipe.finish()\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
+    ),
+    Mutation(
+        "trainer-iteration-ends-on-exception",
+        "an exception leaving a training batch ends its iteration: the owed update is kept (issue 21.3)",
+        "pytorch/loops/training_epoch_loop.py",
+        "                    finally:\n"
+        "                        # an exception ends the iteration too: the update its steps owe is not lost\n"
+        "                        trainer.precision_plugin.training_iteration_end()\n",
+        "                    except BaseException:\n                        raise\n"
+        "                    else:\n                        trainer.precision_plugin.training_iteration_end()\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "exception"),
+    ),
+    Mutation(
+        "fabric-iteration-ends-on-exception",
+        "an exception raised in the body of `fabric.training_iteration()` ends the iteration (issue 21.2)",
+        "fabric/fabric.py",
+        "        finally:\n"
+        "            # an exception raised in the body ends the iteration too: the update its steps owe is not lost\n"
+        "            self._precision.training_iteration_end()\n",
+        "        except BaseException:\n            raise\n        else:\n            self._precision.training_iteration_end()\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "exception_caught"),
+    ),
+    Mutation(
+        "closure-run-by-the-user-steps",
+        "automatic optimization: an `optimizer_step` override that runs the closure and then calls `optimizer.step()`"
+        " steps (issue 21.13)",
+        PYTORCH_RECIPE,
+        "        steps = not (automatic and loss is None and closure is not do_nothing_closure)\n",
+        "        steps = not (automatic and loss is None)\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "runs_the_closure_itself"),
+    ),
+    Mutation(
+        "loss-scale-monitor-counts-this-run",
+        "`LossScaleMonitor` counts the skips of its own run: not those of an earlier fit or `lr_find` of the same"
+        " Trainer (issue 21.11)",
+        "pytorch/callbacks/loss_scale_monitor.py",
+        "        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())\n",
+        "        self._skipped_before_run = 0\n",
+        ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "second_fit"),
+    ),
+    Mutation(
+        "watch-goes-with-its-parameters",
+        "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along"
+        " (issue 21.12)",
+        FABRIC_RECIPE,
+        "            if optimizer not in self._watched:\n",
+        "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "collected_model"),
     ),
 )
 

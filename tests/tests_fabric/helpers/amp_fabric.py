@@ -427,8 +427,8 @@ class FabricLoop:
 
     def finish(self) -> Run:
         """The final parameters and the scale after the last iteration's update. The fork applies an iteration's
-        update lazily (before the next ``fabric.backward()``); the plugin's ``state_dict()`` applies a pending one, as
-        saving does, so it is what gives the scale after the last iteration."""
+        update lazily (before the next ``fabric.backward()``); the plugin's ``state_dict()`` holds a pending one, as
+        a save does, so it is what gives the scale after the last iteration."""
         self.run.params = _named_params(self.model.module)
         if self.scaler is not None:
             self.run.final_scale = float(self.precision_plugin.state_dict()["scale"])

@@ -259,3 +259,17 @@ def test_logging_cadence_survives_a_resume(tmp_path):
     assert sorted(uninterrupted) == [2, 5]
     resumed, _ = _resume(tmp_path, 3)
     assert resumed == {s: v for s, v in uninterrupted.items() if s >= RESUME_AT}
+
+
+def test_a_second_fit_on_the_same_trainer_counts_the_checkpoints_skips_once(tmp_path):
+    """``fit(ckpt_path="last")`` on the Trainer that wrote the checkpoint: the count goes on from the checkpoint's,
+    without the first fit's skips a second time."""
+    monitor = LossScaleMonitor(log_every_n_steps=1)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit = trainer(logger=CaptureLogger(), callbacks=[monitor, checkpoints], enable_checkpointing=True, max_epochs=1)
+    model = Model()
+    fit.fit(model, Positions())
+    assert monitor.state_dict() == {"skipped_steps": len(FORCED)}
+    fit.fit_loop.max_epochs = 2
+    fit.fit(model, Positions(), ckpt_path="last")
+    assert monitor.state_dict() == {"skipped_steps": 2 * len(FORCED)}

@@ -73,6 +73,9 @@ class LossScaleMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.history: dict[str, list[float]] = {"loss_scale": [], "skipped_steps": []}
         self._skipped_before_resume = 0
+        # the plugin's count of skipped steps when this run started: it also holds earlier runs of the same Trainer
+        # (a `fit` before, `Tuner.lr_find`)
+        self._skipped_before_run = 0
         self._plugin: Optional[_AMPRecipePrecision] = None
 
     @override
@@ -111,17 +114,18 @@ class LossScaleMonitor(Callback):
 
     def _stats(self, trainer: "pl.Trainer") -> dict[str, float]:
         plugin = _scaling_plugin(trainer)
-        assert plugin is not None
-        skipped = self._skipped_before_resume + int(plugin._recipe.skipped_steps.item())
-        return {"loss_scale": float(plugin.scaler.get_scale()), "skipped_steps": float(skipped)}
+        assert plugin is not None and plugin.scaler is not None
+        return {"loss_scale": float(plugin.scaler.get_scale()), "skipped_steps": float(self._skipped_steps(plugin))}
+
+    def _skipped_steps(self, plugin: Optional["_AMPRecipePrecision"]) -> int:
+        skipped = self._skipped_before_resume
+        if plugin is not None:
+            skipped += int(plugin._recipe.skipped_steps.item()) - self._skipped_before_run
+        return skipped
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        plugin = self._plugin
-        skipped = self._skipped_before_resume
-        if plugin is not None:
-            skipped += int(plugin._recipe.skipped_steps.item())
-        return {"skipped_steps": skipped}
+        return {"skipped_steps": self._skipped_steps(self._plugin)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -129,7 +133,10 @@ class LossScaleMonitor(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # each run counts from zero (a checkpoint it resumes from restores its own count after this)
         self._plugin = _scaling_plugin(trainer)
+        self._skipped_before_resume = 0
+        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())
 
 
 def _scaling_plugin(trainer: "pl.Trainer") -> Optional["_AMPRecipePrecision"]:

@@ -21,6 +21,7 @@ the stock copy however the fork is installed), and show that the comparisons cat
 """
 
 import contextlib
+import gc
 from typing import Any, Callable
 import warnings
 from unittest import mock
@@ -153,7 +154,7 @@ UNSCALE_CELLS = [
         ("user-raw", ("none", "norm", "value")),
     )
     for clip in clips
-] + [Cell("16-mixed", optimizer, fused, "norm", user_update=True) for optimizer, fused in _UNSCALE_OPTIMIZERS]
+]
 
 
 def _misused_loop(misuse: str, package: str = "lightning") -> tuple["FabricLoop", list[torch.Tensor]]:
@@ -219,9 +220,9 @@ def test_teardown_removes_the_watch():
     """The strategy's teardown takes the watch's hooks off the parameters (they outlive the run otherwise)."""
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
     recipe = loop.precision_plugin._recipe
-    assert recipe._hook_handles
+    assert recipe.watched
     loop.fabric.strategy.teardown()
-    assert recipe._hook_handles == []
+    assert recipe.watched == 0
     x, y = make_batches()[0]
     torch.nn.functional.mse_loss(loop.model.module(x), y).backward()
     assert recipe._unscaled_accumulations == {}
@@ -248,8 +249,8 @@ def test_stock_fabric_trains_silently_wrong_on_misuse(misuse):
         stock, stock.opts[0].step if misuse == "unscaled-backward" else stock.opts[0].optimizer.step
     )
     reference, _ = _misused_loop("raw-step")  # the same batch through fabric.backward and the wrapper's step
+    scale = reference.scaler.get_scale()  # the scale of that batch (its update follows the step)
     right = _gradient_stepped(reference, reference.opts[0].step)
-    scale = reference.scaler.get_scale()
     expected = right / scale if misuse == "unscaled-backward" else right * scale
     assert wrong == pytest.approx(expected, rel=1e-2)  # fp16 rounding of the unscaled backward
 
@@ -257,8 +258,7 @@ def test_stock_fabric_trains_silently_wrong_on_misuse(misuse):
 @pytest.mark.parametrize("cell", UNSCALE_CELLS, ids=lambda c: c.id)
 def test_unscaling_is_idempotent(cell):
     """Whoever unscales first (``clip_gradients``, the user's ``scaler.unscale_`` on the ``_FabricOptimizer`` or on
-    the optimizer it wraps), gradients are unscaled exactly once before clipping and stepping; a user who also calls
-    ``scaler.update()`` (the recipe to the letter) does not get a second update."""
+    the optimizer it wraps), gradients are unscaled exactly once before clipping and stepping."""
     _check(cell)
 
 
@@ -266,11 +266,16 @@ def test_user_unscale_through_the_wrapper_is_adopted():
     """After ``scaler.unscale_(fabric_optimizer)`` the scaler's state belongs to the wrapped optimizer once Fabric
     clips or steps: no second unscale, no stale entry keyed by the wrapper."""
     loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm", unscaler="user-wrapper"))
-    loop.train(range(2))
+    loop.train(range(1))
     opt = loop.opts[0]
+    x, y = make_batches()[1]
+    opt.zero_grad()
+    loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+    loop.scaler.unscale_(opt)
+    loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM)
     states = loop.scaler._per_optimizer_states
-    assert id(opt) not in states or states[id(opt)]["stage"] is OptState.READY
-    assert states[id(opt.optimizer)]["stage"] is OptState.STEPPED
+    assert id(opt) not in states
+    assert states[id(opt.optimizer)]["stage"] is OptState.UNSCALED
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -295,17 +300,27 @@ def test_two_optimizers_one_update_per_iteration(cell):
 
 
 def test_update_count_and_placement():
-    """Exactly one ``scaler.update()`` per iteration with two optimizers: the update of an iteration is applied before
-    the next ``fabric.backward()`` (Fabric has no end-of-iteration hook), the last one by ``precision.state_dict()``."""
+    """Exactly one ``scaler.update()`` per iteration with two optimizers fed by one backward: right after the step of
+    the last of them, as in PyTorch's recipe. With only one of them stepped, the update waits for the next
+    ``fabric.backward()`` (Fabric has no end-of-iteration hook), or for the strategy's teardown;
+    ``precision.state_dict()`` holds it without applying it."""
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
     with mock.patch.object(loop.scaler, "update", wraps=loop.scaler.update) as update:
         for i in range(N_BATCHES):
             loop.train(range(i, i + 1))
-            assert update.call_count == i, "the update of an iteration waits for the next backward"
+            assert update.call_count == i + 1, "the update follows the last optimizer's step"
         run = loop.finish()
         assert update.call_count == N_BATCHES
-        loop.precision_plugin.state_dict()
-        assert update.call_count == N_BATCHES, "no second update without a step"
+        x, y = make_batches()[0]
+        loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+        loop.opts[0].step()  # the second optimizer does not step: the update waits
+        assert update.call_count == N_BATCHES
+        saved = loop.precision_plugin.state_dict()
+        assert update.call_count == N_BATCHES, "saving changes nothing"
+        loop.fabric.strategy.teardown()
+        assert update.call_count == N_BATCHES + 1
+        assert loop.scaler.state_dict() == saved
+    assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
     assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
 
 
@@ -453,15 +468,15 @@ def test_resume_is_exact(cell, tmp_path):
         assert torch.load(path, weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT]
 
 
-def test_save_applies_the_pending_update_and_does_not_perturb_the_run(tmp_path):
+def test_save_holds_the_scale_of_the_next_iteration_and_does_not_perturb_the_run(tmp_path):
     cell = Cell("16-mixed", "AdamW", True, "norm")
     recipe = cached_recipe_run(cell)
     loop = FabricLoop(cell).train(range(SPLIT))
-    # the back-off of the inf batch is still pending: it is applied before the next backward...
-    assert loop.scaler.get_scale() == recipe.scales[SPLIT - 1] == 2 * recipe.scales[SPLIT]
-    # ...or by saving
+    # the back-off of the inf batch followed its step at once
+    assert loop.scaler.get_scale() == recipe.scales[SPLIT] == recipe.scales[SPLIT - 1] / 2
     loop.save(tmp_path / "fabric.ckpt")
     assert loop.scaler.get_scale() == recipe.scales[SPLIT]
+    assert torch.load(tmp_path / "fabric.ckpt", weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT]
     assert_same_run(loop.train(range(SPLIT, N_BATCHES)).finish(), recipe)
 
 
@@ -492,7 +507,7 @@ def test_checkpoints_load_across_fork_and_stock(tmp_path):
     fork.save(tmp_path / "fork.ckpt", scaler_entry="none")
     stock = FabricLoop(cell, package="stock_lightning_fabric")
     remainder = stock.load(tmp_path / "fork.ckpt", scaler_entry="none")
-    assert remainder["MixedPrecision"]["scale"] == fork.scaler.get_scale()
+    assert remainder["MixedPrecision"]["scale"] == fork.precision_plugin.state_dict()["scale"]
     stock.save(tmp_path / "stock.ckpt", scaler_entry="none")
     again = FabricLoop(cell)
     assert again.load(tmp_path / "stock.ckpt", scaler_entry="none") == {}
@@ -502,7 +517,7 @@ def test_checkpoints_load_across_fork_and_stock(tmp_path):
 @pytest.mark.parametrize(
     "package",
     [
-        "lightning",  # `fabric.save` ends the iteration first (patch 0015)
+        "lightning",  # `fabric.save` saves the plugin's state in the scaler's place
         "stock_lightning_fabric",
     ],
 )
@@ -541,14 +556,21 @@ def test_stock_fabric_cannot_clip_fused(optimizer, clip):
     [
         (Cell("16-mixed", clip="norm", unscaler="clip-twice"), "unscale_\\(\\) has already been called"),
         (Cell("16-mixed", clip="value", unscaler="user-raw"), "unscale_\\(\\) has already been called"),
-        (Cell("16-mixed", clip="norm", user_update=True), "No inf checks were recorded"),
     ],
-    ids=["clip-twice", "user-raw", "user-update"],
+    ids=["clip-twice", "user-raw"],
 )
-def test_stock_fabric_raises_on_a_second_unscale_or_update(cell, error):
+def test_stock_fabric_raises_on_a_second_unscale(cell, error):
     _check(cell)
     with pytest.raises((RuntimeError, AssertionError), match=error):
         fabric_run(cell, "stock_lightning_fabric")
+
+
+@pytest.mark.parametrize("package", ["lightning", "stock_lightning_fabric"])
+def test_the_users_own_update_after_the_last_step_raises_as_in_stock(package):
+    """The update follows the last optimizer's step at once (as in stock Fabric, which updates after every step), so
+    a ``scaler.update()`` of the user's own after it finds no inf check, and torch's scaler raises."""
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        fabric_run(Cell("16-mixed", clip="norm", user_update=True), package)
 
 
 def test_stock_fabric_unscales_twice_through_the_wrapper():
@@ -597,3 +619,165 @@ def test_a_wrong_recipe_is_caught():
     run = fabric_run(cell)
     assert run.final_scale != scaler.get_scale()
     assert params_differ(run.params, {n: p.detach() for n, p in net.named_parameters()})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# exceptions, saves and lifecycle: transitions that change nothing they should not
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _recipe_loop(cell: Cell) -> Run:
+    """PyTorch's recipe over the batches: one backward, clipping and a step per optimizer (one per linear layer when
+    there are two), one update per iteration."""
+    net = make_net()
+    groups = [net[0].parameters(), net[2].parameters()] if cell.two_optimizers else [net.parameters()]
+    opts = [make_optimizer("SGD-momentum", params, False) for params in groups]
+    scaler = new_scaler()
+    run = Run(params={}, scales=[], final_scale=None, skipped=[], changed=[])
+    for i, (x, y) in enumerate(make_batches()):
+        for opt in opts:
+            opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(net(x), y)
+        scaler.scale(inject_inf(loss, i, cell)).backward()
+        run.scales.append(scaler.get_scale())
+        for opt in opts:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], CLIP_NORM)
+            scaler.step(opt)
+        scaler.update()
+    run.params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    run.final_scale = scaler.get_scale()
+    return run
+
+
+def _fabric_iteration(loop: FabricLoop, i: int, between_steps: Callable[[], None] = lambda: None) -> None:
+    x, y = make_batches()[i]
+    for opt in loop.opts:
+        opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(loop.model(x), y)
+    loop.fabric.backward(inject_inf(loss, i, loop.cell))
+    loop.run.scales.append(loop.scaler.get_scale())
+    for k, opt in enumerate(loop.opts):
+        loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
+        if k == 1:
+            between_steps()
+        opt.step()
+
+
+def _assert_follows(loop: FabricLoop, expected: Run) -> None:
+    run = loop.finish()
+    assert run.scales == expected.scales
+    assert run.final_scale == expected.final_scale
+    assert params_differ(run.params, expected.params) == {}
+
+
+def test_a_closure_passed_to_step_raises_as_torch_does():
+    """``opt.step(closure)`` whose closure runs ``fabric.backward`` after ``zero_grad``: the gradients the closure makes
+    are scaled and nobody unscales them. torch's scaler refuses closures, and so do stock Fabric and the fork; the
+    weights stay as they were."""
+    for package in ("lightning", "stock_lightning_fabric"):
+        loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package)
+        x, y = make_batches()[0]
+        opt = loop.opts[0]
+        before = [p.detach().clone() for p in loop.model.parameters()]
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(loop.model(x), y)
+            loop.fabric.backward(loss)
+            return loss
+
+        with pytest.raises(RuntimeError, match="(?i)closure"):
+            opt.step(closure)
+        assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before)), package
+
+
+def test_an_exception_caught_inside_training_iteration_ends_the_iteration():
+    """An exception raised (and caught by the user) in the body of ``fabric.training_iteration()`` ends the iteration:
+    its update is applied, the scale backs off on a later inf again, and torch keeps no state per optimizer across
+    iterations. Training goes on exactly as the recipe's."""
+    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(3,))
+    loop = FabricLoop(cell)
+    for i in range(N_BATCHES):
+        try:
+            with loop.fabric.training_iteration():
+                _fabric_iteration(loop, i)
+                if i == 1:
+                    raise ValueError("the user's own error, after the steps")
+        except ValueError:
+            pass
+        assert len(loop.scaler._per_optimizer_states) == 0
+    expected = _recipe_loop(cell)
+    assert any(b < a for a, b in zip(expected.scales, expected.scales[1:]))  # the inf batch backed the scale off
+    _assert_follows(loop, expected)
+
+
+@pytest.mark.parametrize("where", ["after-clip", "between-steps", "last-in-iteration"])
+def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp_path):
+    """``fabric.save`` after clipping and before the step, between two optimizers' steps, or as the last statement of
+    a ``fabric.training_iteration()``: the live run is the recipe's, as without the save; a save at the end of an
+    iteration holds the scale the next iteration uses."""
+    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
+    loop = FabricLoop(cell)
+    path = tmp_path / "fabric.ckpt"
+    saved = []
+
+    def save() -> None:
+        loop.save(path)
+        saved.append(torch.load(path, weights_only=True)["precision"]["scale"])
+
+    for i in range(N_BATCHES):
+        with loop.fabric.training_iteration():
+            if where == "after-clip":
+                x, y = make_batches()[i]
+                for opt in loop.opts:
+                    opt.zero_grad()
+                loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), i, cell))
+                loop.run.scales.append(loop.scaler.get_scale())
+                for opt in loop.opts:
+                    loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
+                    save()
+                    opt.step()
+            else:
+                _fabric_iteration(loop, i, between_steps=save if where == "between-steps" else lambda: None)
+                if where == "last-in-iteration":
+                    save()
+    expected = _recipe_loop(cell)
+    _assert_follows(loop, expected)
+    if where == "last-in-iteration":
+        assert saved == expected.scales[1:] + [expected.final_scale]
+
+
+def test_the_watch_of_a_collected_model_goes_with_it():
+    """A fresh model per fold (cross-validation) with one Fabric: the hooks of the watch go away with the parameters
+    and optimizers they watch, instead of piling up fold after fold."""
+    fabric = FabricLoop(Cell("16-mixed", "SGD-momentum")).fabric
+    recipe = fabric.strategy.precision._recipe
+    counts = []
+    for _ in range(5):
+        net = make_net()
+        model, opt = fabric.setup(net, make_optimizer("SGD-momentum", net.parameters(), False))
+        x, y = make_batches()[0]
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        del net, model, opt
+        gc.collect()
+        counts.append(recipe.watched)
+    assert counts == [counts[0]] * 5
+    assert counts[0] <= 1 + len(list(make_net().parameters()))  # the first loop's model, still alive
+
+
+def test_the_scale_after_the_step_says_whether_it_was_skipped():
+    """``scale = scaler.get_scale(); opt.step(); skipped = scaler.get_scale() < scale``: once every optimizer
+    ``fabric.setup`` wrapped has stepped, the update follows at once, as in PyTorch's recipe."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
+    (opt,) = loop.opts
+    skipped = []
+    for i, (x, y) in enumerate(make_batches()):
+        opt.zero_grad()
+        loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), i, loop.cell))
+        scale = loop.scaler.get_scale()
+        opt.step()
+        skipped.append(loop.scaler.get_scale() < scale)
+    assert skipped == [i == INF_BATCH for i in range(N_BATCHES)]

@@ -17,7 +17,7 @@ from lightning.fabric.plugins.precision.amp_recipe import (
     IterationPhase,
     _check_scaler_is_enabled,
 )
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler, requires_cpu_grad_scaler
+from tests_fabric.helpers.torch_features import GradScaler, OptState, cpu_grad_scaler, cuda_grad_scaler, requires_cpu_grad_scaler
 
 pytestmark = requires_cpu_grad_scaler
 
@@ -85,13 +85,58 @@ def test_unscale_is_idempotent_and_reads_the_users_own_unscale():
     assert _same(net, twin)
 
 
-def test_unscaled_without_step_then_backward_raises():
+def test_a_scaled_backward_onto_unscaled_gradients_is_refused_at_the_step():
+    """Unscaled, not stepped, and a scaled backward reaches the parameters: the gradients mix two scales. The step
+    (and clipping) refuse them and change nothing; zeroed, the optimizer goes on."""
     net, opt, _, _ = _twins()
     recipe = GradScalerRecipe(_scaler())
-    recipe.scale(_loss(net)).backward()
+    with recipe.backward():
+        recipe.scale(_loss(net)).backward()
     recipe.unscale(opt)
-    with pytest.raises(RuntimeError, match="unscaled .* but the optimizer did not step"):
-        recipe.scale(_loss(net), optimizers=lambda: [opt])
+    with recipe.backward():
+        recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
+    before = copy.deepcopy(net)
+    for event in (lambda: recipe.unscale(opt), lambda: recipe.step(opt)):
+        with pytest.raises(RuntimeError, match="unscaled .* but the optimizer did not step before a later backward"):
+            event()
+    assert _same(net, before)
+    opt.zero_grad()
+    with recipe.backward():
+        recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
+    recipe.step(opt)
+    assert not _same(net, before)
+
+
+def test_unscaled_gradients_that_the_next_backward_does_not_reach_step_normally():
+    """Two networks, each clipped right after its own backward, then both step: torch only needs an optimizer's
+    gradients complete before its ``unscale_``, and so does the recipe."""
+    torch.manual_seed(0)
+    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
+    twins = copy.deepcopy(nets)
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    twin_opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in twins]
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    for inf in (False, True, False):
+        recipe.iteration_start()
+        for net, opt in zip(nets, opts):
+            with recipe.backward():
+                recipe.scale(_loss(net, inf and net is nets[1]), optimizers=lambda: opts).backward()
+            recipe.unscale(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+        for opt in opts:
+            recipe.step(opt)
+            opt.zero_grad()
+        recipe.iteration_end()
+        for net, opt in zip(twins, twin_opts):
+            scaler.scale(_loss(net, inf and net is twins[1])).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+        for opt in twin_opts:
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+        assert recipe.scaler.get_scale() == scaler.get_scale()
+    assert all(_same(a, b) for a, b in zip(nets, twins))
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -161,12 +206,128 @@ def test_state_dict_inside_an_iteration_leaves_the_live_run_alone():
     assert recipe.scaler.get_scale() == 2.0**9
 
 
-def test_state_dict_outside_an_iteration_settles_the_owed_update():
+def test_state_dict_outside_an_iteration_holds_the_owed_update_and_changes_nothing():
     net, opt, _, _ = _twins()
     recipe = GradScalerRecipe(_scaler())
     recipe.scale(_loss(net, inf=True)).backward()
     recipe.step(opt)  # outside any iteration: Fabric, or a step in `on_train_epoch_end`
+    states = copy.deepcopy(recipe.scaler._per_optimizer_states)
     assert recipe.state_dict()["scale"] == 2.0**9
+    assert recipe.scaler.get_scale() == 2.0**10  # the live run: untouched
+    assert recipe.scaler._per_optimizer_states == states
+    assert recipe.updates == 0
+    recipe.iteration_start()
+    assert recipe.scaler.state_dict() == recipe.state_dict()
+
+
+@pytest.mark.parametrize("inf", [False, True])
+def test_the_owed_update_in_a_state_dict_is_torchs_update(inf):
+    """The state a save holds is what ``scaler.update()`` leaves, computed by torch's own kernel (growth, back-off and
+    the growth tracker), and asking for it leaves the live run alone (a save between clipping and the step)."""
+    net, opt, twin, twin_opt = _twins()
+    # growth_interval=2: the growth tracker counts too
+    recipe = GradScalerRecipe(cpu_grad_scaler(init_scale=2.0**10, growth_interval=2))
+    scaler = cpu_grad_scaler(init_scale=2.0**10, growth_interval=2)
+    for i in range(3):
+        with recipe.backward():
+            recipe.scale(_loss(net, inf and i == 1)).backward()
+        recipe.unscale(opt)
+        projected = recipe.state_dict(include_owed_update=True)
+        recipe.step(opt)
+        recipe.iteration_end()
+        opt.zero_grad()
+        scaler.scale(_loss(twin, inf and i == 1)).backward()
+        scaler.step(twin_opt)
+        scaler.update()
+        twin_opt.zero_grad()
+        assert projected == scaler.state_dict() == recipe.scaler.state_dict()
+    assert _same(net, twin)
+
+
+def test_finish_applies_the_update_owed_outside_an_iteration():
+    """A step in ``on_train_epoch_end`` is the last of the run: its update is applied when training ends, as the recipe
+    applies it right after the step."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.scale(_loss(net, inf=True)).backward()
+    recipe.step(opt)
+    recipe.finish()
+    assert recipe.scaler.get_scale() == 2.0**9
+    assert recipe.updates == 1
+
+
+def test_a_closure_under_the_scaler_raises_as_torch_does():
+    """torch's scaler refuses closures; a closure that runs the backward after ``zero_grad`` would otherwise leave
+    scaled gradients for a plain step."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    before = copy.deepcopy(net)
+
+    def closure():
+        opt.zero_grad()
+        with recipe.backward():
+            recipe.scale(_loss(net)).backward()
+
+    with pytest.raises(RuntimeError, match="does not support closures"):
+        recipe.step(opt, closure=closure)
+    assert _same(net, before)
+
+
+def test_every_step_goes_through_the_scalers_unscale():
+    """FSDP's ``ShardedGradScaler.unscale_`` all-reduces the inf check: a rank whose shard got no gradients must call it
+    too, in the same order, or the all-reduces of two ranks pair across iterations."""
+    net, opt, _, _ = _twins()
+    scaler = _scaler()
+    unscaled = []
+    unscale_ = scaler.unscale_
+    scaler.unscale_ = lambda optimizer: (unscaled.append(optimizer), unscale_(optimizer))[1]
+    recipe = GradScalerRecipe(scaler)
+    before = copy.deepcopy(net)
+    recipe.scale(torch.ones(()))  # the other ranks' backward
+    recipe.step(opt)  # no gradients here
+    assert unscaled == [opt]
+    assert not recipe.step_was_skipped(opt)
+    assert _same(net, before)
+
+
+def test_a_step_on_an_inf_check_recorded_by_clipping_is_skipped():
+    """Clipped (unscaled, inf found), then ``zero_grad()``, then stepped: torch counts the step as skipped, and so does
+    the skip signal."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    with recipe.backward():
+        recipe.scale(_loss(net, inf=True)).backward()
+    recipe.unscale(opt)
+    opt.zero_grad()
+    recipe.step(opt)
+    assert recipe.step_was_skipped(opt)
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**9
+
+
+def test_gradients_unscaled_in_an_earlier_iteration_and_zeroed_step_as_torch_steps():
+    """Clipped in one iteration and not stepped, zeroed with ``zero_grad(set_to_none=False)`` in the next, then stepped:
+    nothing unscaled remains, so the step is taken (torch takes it), on the zeros."""
+    net, opt, twin, twin_opt = _twins()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.iteration_start()
+    recipe.scale(_loss(net)).backward()
+    recipe.unscale(opt)
+    recipe.iteration_end()
+    opt.zero_grad(set_to_none=False)
+    recipe.step(opt)
+    recipe.iteration_end()
+    scaler.scale(_loss(twin)).backward()
+    scaler.unscale_(twin_opt)
+    scaler.update()
+    twin_opt.zero_grad(set_to_none=False)
+    scaler.step(twin_opt)
+    scaler.update()
+    assert recipe.scaler.get_scale() == scaler.get_scale()
+    assert opt.state_dict()["state"].keys() == twin_opt.state_dict()["state"].keys()
+    assert _same(net, twin)
 
 
 def test_a_step_outside_an_iteration_is_settled_when_the_next_one_starts():
@@ -291,3 +452,24 @@ def test_disabled_scaler_is_refused_with_the_fix():
             _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")
     _check_scaler_is_enabled(_scaler(), "`MixedPrecision`")
     _check_scaler_is_enabled(None, "`MixedPrecision`")
+
+
+def test_a_refused_backward_changes_nothing():
+    """A scaled backward refused (a plain ``loss.backward()`` left gradients without the scale) is refused before any
+    transition: the optimizer that had stepped is still stepped, so a later unscale does not divide its gradients by
+    the scale a second time."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt])
+    recipe.iteration_start()
+    loss = recipe.scale(_loss(net))
+    with recipe.backward():
+        loss.backward()
+    recipe.step(opt)
+    _loss(net).backward()  # the misuse: a backward without the scale
+    grads = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        recipe.scale(_loss(net), optimizers=lambda: [opt])
+    assert recipe._record(opt).stage is GradientStage.STEPPED
+    assert recipe.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))

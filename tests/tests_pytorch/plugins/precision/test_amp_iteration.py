@@ -59,33 +59,38 @@ def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
     return trainer
 
 
-def test_one_update_per_batch_before_on_train_batch_end(tmp_path):
+def test_one_optimizer_stepped_twice_per_batch_updates_after_each_step(tmp_path):
+    """torch's scaler needs an update between two steps of one optimizer, and with one optimizer each step is the last
+    of its step cycle: each is followed by its update, as in stock Lightning (several optimizers get one update per
+    batch, see the two-optimizer cases)."""
     record = RecordScale()
     trainer = _fit_quietly(TwoStepsPerBatch(), callbacks=[record])
-    # growth_interval=1 and finite gradients: each batch grows the scale exactly once, although it steps twice
-    assert record.scales == [2.0**5, 2.0**6, 2.0**7]
+    # growth_interval=1 and finite gradients: each step grows the scale once
+    assert record.scales == [2.0**6, 2.0**8, 2.0**10]
     assert record.pending == [False, False, False]
     checkpoint = tmp_path / "last.ckpt"
     trainer.save_checkpoint(checkpoint)
     saved = torch.load(checkpoint, weights_only=False)["MixedPrecision"]
-    assert saved["scale"] == 2.0**7
+    assert saved["scale"] == 2.0**10
 
 
-def test_state_dict_applies_a_pending_update():
+def test_state_dict_holds_a_pending_update_without_applying_it():
     plugin = _plugin()
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.1)
     plugin._recipe.scale(param.sum()).backward()
     plugin._recipe.step(optimizer)
     assert plugin._recipe.update_owed
-    assert plugin.state_dict()["scale"] == 2.0**5  # the iteration's update happened before saving
-    assert not plugin._recipe.update_owed
-    plugin.training_iteration_end()  # nothing left to apply: no second update
+    assert plugin.state_dict()["scale"] == 2.0**5  # what the run continues with after the iteration's update
+    assert plugin._recipe.update_owed  # saving changed nothing
+    assert plugin.scaler.get_scale() == 2.0**4
+    plugin.training_iteration_end()  # one update, as without the save
     assert plugin.scaler.get_scale() == 2.0**5
 
 
-def test_user_update_is_not_applied_twice():
-    """A user following PyTorch's recipe to the letter calls ``scaler.update()`` themselves."""
+def test_the_users_own_update_after_the_step_raises_as_in_stock():
+    """The update follows the last optimizer's step at once (stock updates after every step): a ``scaler.update()``
+    of the user's own after it finds no inf check, and torch's scaler raises, as with stock Lightning."""
 
     class UpdatesItself(TwoStepsPerBatch):
         def training_step(self, batch, batch_idx):
@@ -95,9 +100,8 @@ def test_user_update_is_not_applied_twice():
             opt.zero_grad()
             self.trainer.precision_plugin.scaler.update()
 
-    record = RecordScale()
-    _fit_quietly(UpdatesItself(), callbacks=[record])
-    assert record.scales == [2.0**5, 2.0**6, 2.0**7]
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        _fit_quietly(UpdatesItself())
 
 
 class ClipsEveryBatchStepsEveryOther(LightningModule):
@@ -130,7 +134,7 @@ class ClipsEveryBatchStepsEveryOther(LightningModule):
 def test_unscaled_gradients_without_a_step_are_refused_before_the_next_backward():
     model = ClipsEveryBatchStepsEveryOther(zero_before_next_backward=False)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"unscaled .* did not step before this backward"):
+    with pytest.raises(RuntimeError, match=r"unscaled .* did not step before a later backward"):
         _fit_quietly(model)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
@@ -181,5 +185,206 @@ def test_clipping_on_a_batch_without_backward_leaves_no_state():
         scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
+    assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+class TinyModule(LightningModule):
+    """One linear layer, SGD, six samples in batches of two."""
+
+    lr = 0.01
+    data_seed = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        data = torch.randn(6, 4, generator=torch.Generator().manual_seed(self.data_seed))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+class RaisesAfterTheStep(TwoStepsPerBatch):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        if batch_idx == 1:
+            raise ValueError("the user's own error, after the step")
+
+
+def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
+    """An exception after ``opt.step()``, caught around ``fit``, then ``save_checkpoint``: the iteration's update is
+    applied when the exception leaves the batch, so the checkpoint holds the scale the run goes on with (stock updates
+    right after the step: the same)."""
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[_plugin()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match="the user's own error"):
+        trainer.fit(RaisesAfterTheStep())
+    plugin = trainer.precision_plugin
+    assert plugin.scaler.get_scale() == 2.0**6  # two batches stepped, two updates
+    assert not plugin._recipe.update_owed
+    checkpoint = tmp_path / "after.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    assert torch.load(checkpoint, weights_only=False)["MixedPrecision"] == plugin.scaler.state_dict()
+
+
+class StepsAtEpochEnd(TwoStepsPerBatch):
+    """Full-epoch accumulation: every batch's backward accumulates, the one step is in ``on_train_epoch_end``."""
+
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(self.layer(batch).float().pow(2).mean())
+
+    def on_train_epoch_end(self):
+        opt = self.optimizers()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_step_in_on_train_epoch_end_gets_its_update_when_training_ends():
+    trainer = _fit_quietly(StepsAtEpochEnd())
+    # the recipe: accumulate over the epoch, step, update
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**5
+    assert not trainer.precision_plugin._recipe.update_owed
+
+
+class ClosureThenPlainStep(TinyModule):
+    """Automatic optimization with an ``optimizer_step`` override that runs the closure itself, then steps without it."""
+
+    data_seed = 3
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).float().pow(2).mean()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer_closure()
+        optimizer.step()
+
+
+def test_an_optimizer_step_override_that_runs_the_closure_itself_steps():
+    """Stock Lightning takes no step here under 16-mixed, silently (the plugin reads the closure's missing result as
+    "no backward"); with 32-bit precision the same override steps. So does the fork, as the recipe does."""
+    torch.manual_seed(0)
+    model = ClosureThenPlainStep()
+    reference = ClosureThenPlainStep()
+    reference.load_state_dict(model.state_dict())
+    trainer = _fit_quietly(model)
+    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for batch in reference.train_dataloader():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference.training_step(batch, 0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale() == 2.0**7
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+class ReadsTheSkipFromTheScale(TinyModule):
+    """The common idiom: ``scale = scaler.get_scale(); opt.step(); skipped = scaler.get_scale() < scale``, in manual
+    optimization and in an ``optimizer_step`` override of automatic optimization."""
+
+    def __init__(self, automatic: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = automatic
+        self.skipped = []
+
+    def _loss(self, batch, batch_idx):
+        loss = self.layer(batch).float().pow(2).mean()
+        return loss * float("inf") if batch_idx == 1 else loss
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return self._loss(batch, batch_idx)
+        opt = self.optimizers()
+        scaler = self.trainer.precision_plugin.scaler
+        self.manual_backward(self._loss(batch, batch_idx))
+        scale = scaler.get_scale()
+        opt.step()
+        self.skipped.append(scaler.get_scale() < scale)
+        opt.zero_grad()
+        return None
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        scaler = self.trainer.precision_plugin.scaler
+        scale = scaler.get_scale()
+        optimizer.step(closure=optimizer_closure)
+        self.skipped.append(scaler.get_scale() < scale)
+
+
+@pytest.mark.parametrize("automatic", [False, True])
+def test_the_scale_after_the_step_says_whether_it_was_skipped(automatic):
+    """With one optimizer, its step is the iteration's last: the update follows it at once, as in PyTorch's recipe, so
+    the scale read right after the step shows the skip."""
+    model = ReadsTheSkipFromTheScale(automatic)
+    _fit_quietly(model)
+    assert model.skipped == [False, True, False]
+
+
+class TwoSurgeryCyclesPerBatch(TinyModule):
+    """Gradient surgery twice per batch: ``torch.autograd.grad`` of the scaled loss of each half, assigned to ``.grad``,
+    then ``clip_gradients`` and the step."""
+
+    lr = 0.1
+    data_seed = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        scaler = self.trainer.precision_plugin.scaler
+        params = list(self.layer.parameters())
+        for half in (batch[:1], batch[1:]):
+            grads = torch.autograd.grad(scaler.scale(self.layer(half).float().pow(2).mean()), params)
+            for p, g in zip(params, grads):
+                p.grad = g
+            norm = self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+            self.norms.append(float(norm))
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_second_step_cycle_in_a_batch_clips_unscaled_gradients():
+    """The second cycle's clipping unscales the gradients assigned after the first step, as the recipe does (torch's
+    scaler needs an update between two steps of one optimizer: the recipe updates after each)."""
+    torch.manual_seed(0)
+    model = TwoSurgeryCyclesPerBatch()
+    reference = TwoSurgeryCyclesPerBatch()
+    reference.load_state_dict(model.state_dict())
+    trainer = _fit_quietly(model)
+    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    params = list(reference.layer.parameters())
+    norms = []
+    for batch in reference.train_dataloader():
+        for half in (batch[:1], batch[1:]):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = reference.layer(half).float().pow(2).mean()
+            grads = torch.autograd.grad(scaler.scale(loss), params)
+            for p, g in zip(params, grads):
+                p.grad = g
+            scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.01)))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert model.norms == norms
+    assert max(norms) < 10  # unscaled: the scale is 2**4 and more
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))

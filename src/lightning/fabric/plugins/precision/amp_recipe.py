@@ -145,6 +145,8 @@ class _OptimizerRecord:
     last_found_inf: Optional[Tensor] = None
     # which update the gradients were unscaled after: a later update changes the scale they were unscaled with
     unscaled_at_update: int = -1
+    # a scaled backward reached its parameters after their unscale: the gradients mix two scales
+    mixed_scales: bool = False
 
 
 _STAGE_OF_TORCH = {
@@ -231,6 +233,30 @@ class _TorchScalerAdapter:
                 if found_inf.dim() != 0:
                     per_device[device] = found_inf.reshape(())
 
+    def has_scaled(self) -> bool:
+        """Whether the scaler scaled anything yet (before, it has no scale to unscale with)."""
+        return self.scaler._scale is not None
+
+    def project_owed_update(self, state: dict[str, Any]) -> None:
+        """Put into ``state`` (the scaler's ``state_dict()``) the scale and growth tracker that the owed ``update()``
+        will leave, computed by torch's own kernel on copies: the live scaler is not touched."""
+        found_infs = [f for s in self._states().values() for f in s["found_inf_per_device"].values()]
+        if not found_infs or not state:
+            return
+        device = found_infs[0].device
+        found_inf = sum(f.to(device).reshape(()) for f in found_infs[1:]) + found_infs[0].reshape(())
+        scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
+        growth_tracker = torch.full((), state["_growth_tracker"], dtype=torch.int32, device=device)
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found_inf.to(torch.float32),
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+        )
+        state["scale"], state["_growth_tracker"] = scale.item(), int(growth_tracker.item())
+
     def has_inf_checks(self) -> bool:
         """Whether an unscale (ours or the user's) recorded an inf check since the last update."""
         return any(state["found_inf_per_device"] for state in self._states().values())
@@ -292,16 +318,25 @@ class GradScalerRecipe:
 
     """
 
-    def __init__(self, scaler: Any, aliases: Callable[[Any], Iterable[Any]] = lambda optimizer: ()) -> None:
+    def __init__(
+        self,
+        scaler: Any,
+        aliases: Callable[[Any], Iterable[Any]] = lambda optimizer: (),
+        optimizers: Callable[[], Iterable[Any]] = tuple,
+    ) -> None:
         """
         Args:
             scaler: the gradient scaler.
             aliases: returns the wrappers of an optimizer (``LightningOptimizer``, Fabric's wrapper) that a user may
                 hand to ``scaler.unscale_`` instead of the optimizer.
+            optimizers: returns every optimizer of the run, where the caller knows them (the Trainer's, those
+                ``fabric.setup`` wrapped). Once each of them has stepped, the update is applied right away: it is
+                the iteration's single update, and ``scaler.get_scale()`` after a step shows whether it was skipped.
 
         """
         self.scaler = scaler
         self._aliases = aliases
+        self._optimizers = optimizers
         self.phase = IterationPhase.OUTSIDE
         self._torch = _TorchScalerAdapter(scaler)
         self._records: weakref.WeakKeyDictionary[Any, _OptimizerRecord] = weakref.WeakKeyDictionary()
@@ -309,11 +344,13 @@ class GradScalerRecipe:
         self._iteration_found_infs: list[Tensor] = []
         self._skipped_steps: Optional[Tensor] = None
         self._scaled_backward_depth = 0
+        # hooks on the parameters of optimizers unscaled and not stepped, for the coming scaled backward
+        self._unscaled_watch: list[Any] = []
         self._recipe_steps: set[int] = set()
         # parameters a backward without the scale accumulated into, by id
         self._unscaled_accumulations: dict[int, Tensor] = {}
-        self._hook_handles: list[Any] = []
-        # the watched optimizers and parameters, held weakly by identity: a collected one's id() may come back
+        # the watched optimizers and parameters and their hook handles, held weakly by identity: a collected one's
+        # id() may come back, and its hook goes with it
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _record(self, optimizer: Any) -> _OptimizerRecord:
@@ -349,12 +386,31 @@ class GradScalerRecipe:
                 gradients multiplied by the loss scale to them.
 
         """
+        if self._unscaled_accumulations:
+            # before any transition: a refused backward leaves every optimizer as it was
+            self._check_no_unscaled_accumulations(self._unscaled_accumulations.values(), "a scaled backward")
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
+        self._stop_watching_unscaled()
         if self._records or self._torch.has_inf_checks():
             for optimizer in self._candidates(optimizers):
                 self._begin_step_cycle(optimizer)
         return self.scaler.scale(loss)
+
+    def _watch_unscaled(self, optimizer: Any) -> None:
+        """Until this backward ends: flag ``optimizer`` if the backward reaches its unscaled gradients."""
+        hook = functools.partial(_mixed_scales_hook, self._records[optimizer])
+        self._unscaled_watch.extend(
+            p.register_post_accumulate_grad_hook(hook)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        )
+
+    def _stop_watching_unscaled(self) -> None:
+        for handle in self._unscaled_watch:
+            handle.remove()
+        self._unscaled_watch.clear()
 
     def _candidates(self, optimizers: Callable[[], Iterable[Any]]) -> list[Any]:
         return list({id(o): o for o in (*self._records.keys(), *optimizers())}.values())
@@ -366,16 +422,13 @@ class GradScalerRecipe:
             record.stage = GradientStage.READY
         elif record.stage is GradientStage.UNSCALED:
             if _holds_live_gradients(optimizer):
-                raise RuntimeError(
-                    f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or"
-                    " `scaler.unscale_`) but the optimizer did not step before this backward, which would add new"
-                    " gradients multiplied by the loss scale to the unscaled ones. With a gradient scaler, clip or"
-                    " unscale only in iterations that step the optimizer (inside your gradient-accumulation condition,"
-                    " for example), or zero its gradients before the next backward."
-                )
+                # legal as long as this backward does not reach its parameters (two networks, each clipped after
+                # its own backward; a GAN's toggled optimizers): the backward watches them, the step decides
+                self._watch_unscaled(optimizer)
+                return
             # cleared (None or zeros): nothing unscaled remains; its inf check still counts for the update
             self._torch.retire(optimizer)
-            record.stage = GradientStage.READY
+            record.stage, record.mixed_scales = GradientStage.READY, False
 
     @contextmanager
     def backward(self) -> Generator[None, None, None]:
@@ -393,6 +446,7 @@ class GradScalerRecipe:
             yield
         finally:
             self._scaled_backward_depth -= 1
+            self._stop_watching_unscaled()
 
     def unscale(self, optimizer: Optimizer, aliases: Iterable[Any] = (), required: bool = True) -> None:
         """Unscale ``optimizer``'s gradients unless that already happened in this step cycle.
@@ -420,6 +474,7 @@ class GradScalerRecipe:
             return
         self._refuse_unscaled_accumulations(optimizer, f"Unscaling the gradients of {type(optimizer).__name__}")
         record = self._reconcile(optimizer, aliases)
+        self._refuse_mixed_scales(optimizer, record)
         if record.stage is not GradientStage.READY:
             return
         if self._torch.stage(optimizer) is GradientStage.STEPPED:  # the user updated after a step: a fresh cycle
@@ -437,8 +492,22 @@ class GradScalerRecipe:
         """
         if not self.scaler.is_enabled():
             return optimizer.step(**kwargs)
+        if kwargs.get("closure") is not None:
+            raise RuntimeError(
+                f"`{type(optimizer).__name__}.step(closure)` was called under a gradient scaler. torch's GradScaler does"
+                " not support closures (\"Closure use is not currently supported if GradScaler is enabled\"): the"
+                " gradients the closure computes are multiplied by the loss scale and must be unscaled and checked for"
+                " inf/NaN before the step. Run the closure yourself (`loss = closure()`), then call `step()` without"
+                " it. The step was not taken."
+            )
         self._refuse_unscaled_accumulations(optimizer, f"`{type(optimizer).__name__}.step()`")
         record = self._reconcile(optimizer, aliases)
+        self._refuse_mixed_scales(optimizer, record)
+        if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
+            if not _holds_live_gradients(optimizer):
+                # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle
+                self._torch.forget(optimizer)
+                record.stage = GradientStage.READY
         if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
             raise RuntimeError(
                 f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
@@ -450,15 +519,19 @@ class GradScalerRecipe:
             # (gradient surgery with `torch.autograd.grad(scaler.scale(loss), ...)`)
             self._torch.retire(optimizer)
             record.stage = GradientStage.READY
-        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
-            # nothing to step on: the optimizer would skip every parameter. torch's scaler would fail with "No inf
-            # checks were recorded for this optimizer", so the step is taken without it; it cannot overflow.
+        # always through the scaler, whatever the gradients hold: FSDP's `ShardedGradScaler.unscale_` all-reduces the
+        # inf check, so every rank must unscale, in the same order, even one whose shard has no gradients
+        if self._torch.has_scaled():
+            self.unscale(optimizer, required=False)
+        if self._torch.found_inf(optimizer) is None and not _handles_unscaling_itself(optimizer):
+            # no gradient to step on (none reached this optimizer): torch's scaler would fail with "No inf checks were
+            # recorded for this optimizer", so the optimizer's own step is taken without it; it cannot overflow
             output = optimizer.step(**kwargs)
             record.stage, record.last_found_inf = GradientStage.STEPPED, None
+            self._update_once_every_optimizer_stepped(optimizer)
             return output
         _protect_fused_sgd_momentum(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False) and not _handles_unscaling_itself(optimizer):
-            self.unscale(optimizer, required=False)
             self._torch.zero_dim_inf_checks(optimizer)
         self._recipe_steps.add(id(optimizer))
         try:
@@ -469,7 +542,18 @@ class GradScalerRecipe:
         record.stage, record.last_found_inf = GradientStage.STEPPED, found_inf
         if found_inf is not None:  # None only for an optimizer that unscales inside its own `step()`
             self._iteration_found_infs.append(found_inf)
+        self._update_once_every_optimizer_stepped(optimizer)
         return output
+
+    def _update_once_every_optimizer_stepped(self, optimizer: Any) -> None:
+        # the last step of the iteration: nothing is left for the scale to unscale, so the update is due now, exactly
+        # where PyTorch's recipe puts it (a second step cycle of one optimizer then starts afresh, as in torch)
+        optimizers = list(self._optimizers())
+        if not any(o is optimizer for o in optimizers):
+            return
+        records = [self._records.get(o) for o in optimizers]
+        if all(r is not None and r.stage is GradientStage.STEPPED for r in records):
+            self._settle()
 
     def iteration_start(self) -> None:
         """A loop opens a training iteration: an update owed by steps outside the last one is applied first."""
@@ -492,17 +576,33 @@ class GradScalerRecipe:
                 record.stage = GradientStage.READY
         self._count_skipped_steps()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state. Outside an iteration the owed update belongs to the finished iteration and is applied
-        first; inside one, the live run is left untouched and the state holds the iteration's own scale."""
+    def state_dict(self, include_owed_update: Optional[bool] = None) -> dict[str, Any]:
+        """The scaler's state, without changing the live run.
+
+        Args:
+            include_owed_update: whether the state holds the update owed by the inf checks recorded so far, computed
+                on copies (what the run continues with after its steps), or the scale the current steps used. By
+                default the owed update is included outside an iteration, and left out inside one (a checkpoint
+                saved from a Trainer's ``training_step`` re-runs the iteration with the scale it had).
+
+        """
+        if include_owed_update is None:
+            include_owed_update = self.phase is IterationPhase.OUTSIDE
+        state = self.scaler.state_dict()
+        if include_owed_update:
+            self._torch.project_owed_update(state)
+        return state
+
+    def finish(self) -> None:
+        """Training ends (the plugin's teardown): an update owed by steps outside an iteration (a step in
+        ``on_train_epoch_end``) is applied, as the recipe applies it right after those steps."""
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
-        return self.scaler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state_dict)
         for record in self._records.values():
-            record.stage = GradientStage.READY
+            record.stage, record.mixed_scales = GradientStage.READY, False
         self._torch.reset()
 
     # ---- backward without the scale -----------------------------------------------------------------------------
@@ -519,23 +619,40 @@ class GradScalerRecipe:
         this = weakref.ref(self)
         for optimizer in optimizers:
             if optimizer not in self._watched:
-                self._watched[optimizer] = True
-                self._hook_handles.append(optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this)))
+                self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p in self._watched or not p.requires_grad:
                         continue
-                    self._watched[p] = True
-                    self._hook_handles.append(
-                        p.register_post_accumulate_grad_hook(functools.partial(_accumulate_grad_hook, this))
+                    self._watched[p] = p.register_post_accumulate_grad_hook(
+                        functools.partial(_accumulate_grad_hook, this)
                     )
 
+    @property
+    def watched(self) -> int:
+        """How many optimizers and parameters are watched: each one's hook goes away with it."""
+        return len(self._watched)
+
     def unwatch(self) -> None:
-        for handle in self._hook_handles:
+        for handle in list(self._watched.values()):
             handle.remove()
-        self._hook_handles.clear()
         self._watched.clear()
         self._unscaled_accumulations.clear()
+
+    def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:
+        if not record.mixed_scales:
+            return
+        if not _holds_live_gradients(optimizer):  # zeroed since: nothing mixed remains, a fresh cycle
+            self._torch.retire(optimizer)
+            record.stage, record.mixed_scales = GradientStage.READY, False
+            return
+        raise RuntimeError(
+            f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or `scaler.unscale_`) but"
+            " the optimizer did not step before a later backward added new gradients multiplied by the loss scale to"
+            " them, so they now mix two scales. With a gradient scaler, clip or unscale only in iterations that step"
+            " the optimizer (inside your gradient-accumulation condition, for example), or zero its gradients before"
+            " the next backward. Nothing was changed: zero its gradients to go on."
+        )
 
     def _refuse_unscaled_accumulations(self, optimizer: Any, where: str) -> None:
         if not self._unscaled_accumulations:
@@ -628,7 +745,9 @@ class GradScalerRecipe:
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`); hooks and weak records stay in this process
         state = self.__dict__.copy()
-        state.update(_records=None, _aliases=None, _hook_handles=[], _watched=None, _unscaled_accumulations={})
+        state.update(
+            _records=None, _aliases=None, _optimizers=None, _watched=None, _unscaled_accumulations={}, _unscaled_watch=[]
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -636,6 +755,7 @@ class GradScalerRecipe:
         self._records = weakref.WeakKeyDictionary()
         self._watched = WeakIdKeyDictionary()
         self._aliases = lambda optimizer: ()
+        self._optimizers = tuple
 
 
 def _retire_collected(adapter_ref: "weakref.ref[_TorchScalerAdapter]", key: int) -> None:
@@ -648,6 +768,10 @@ def _accumulate_grad_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", param: Te
     recipe = recipe_ref()
     if recipe is not None and recipe._scaled_backward_depth == 0:
         recipe._unscaled_accumulations[id(param)] = param
+
+
+def _mixed_scales_hook(record: _OptimizerRecord, param: Tensor) -> None:
+    record.mixed_scales = True
 
 
 def _raw_step_pre_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Optimizer, *_: Any) -> None:
@@ -720,7 +844,7 @@ class _ScalerRecipeHolder:
     def _recipe(self) -> GradScalerRecipe:
         assert self.scaler is not None
         if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
-            self._scaler_recipe = GradScalerRecipe(self.scaler, aliases=self._aliases)
+            self._scaler_recipe = GradScalerRecipe(self.scaler, aliases=self._aliases, optimizers=self._known_optimizers)
         return self._scaler_recipe
 
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
@@ -745,6 +869,7 @@ class _ScalerRecipeHolder:
         self._optimizer_wrappers = weakref.WeakSet()
         if self._scaler_recipe is not None:
             self._scaler_recipe._aliases = self._aliases
+            self._scaler_recipe._optimizers = self._known_optimizers
 
 
 class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
@@ -787,6 +912,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     @override
     def teardown(self) -> None:
         if self._scaler_recipe is not None:
+            self._scaler_recipe.finish()
             self._scaler_recipe.unwatch()
         super().teardown()
 
@@ -828,7 +954,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}
-        return self._recipe.state_dict()
+        # what the run continues with: Fabric's loop may save anywhere in an iteration, and the save changes nothing
+        return self._recipe.state_dict(include_owed_update=True)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

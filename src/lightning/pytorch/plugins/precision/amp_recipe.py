@@ -85,6 +85,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     @override
     def teardown(self) -> None:
         if self.scaler is not None and self._scaler_recipe is not None:
+            self._scaler_recipe.finish()
             self._scaler_recipe.unwatch()
         super().teardown()
 
@@ -174,8 +175,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
         optimizer, wrappers = self._unwrap(optimizer)
-        # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on
-        steps = not (automatic and loss is None)
+        # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on;
+        # an `optimizer_step` override that ran the closure itself and calls `optimizer.step()` without it does step
+        steps = not (automatic and loss is None and closure is not do_nothing_closure)
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
