@@ -313,6 +313,16 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "says_whether_it_was_skipped or second_step_cycle"),
     ),
     Mutation(
+        "watch-window",
+        "the watch for backwards without the scale switches itself off after its first updates: no cost per step"
+        " afterwards (issue 21, design)",
+        FABRIC_RECIPE,
+        "            if self._watched and self._updates >= self._watch_ends_at_update and not self._unscaled_accumulations:\n"
+        "                self.unwatch()\n",
+        "",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "watch_ends"),
+    ),
+    Mutation(
         "refusal-before-any-transition",
         "a scaled backward refused for gradients without the scale is refused before any optimizer changes stage"
         " (issue 21.16)",

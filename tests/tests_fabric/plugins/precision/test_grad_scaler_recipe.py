@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning.fabric.plugins.precision.amp_recipe import (
+    WATCHED_UPDATES,
     GradientStage,
     GradScalerRecipe,
     IterationPhase,
@@ -473,3 +474,26 @@ def test_a_refused_backward_changes_nothing():
     assert recipe._record(opt).stage is GradientStage.STEPPED
     assert recipe.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+
+
+def test_the_watch_ends_after_its_first_updates():
+    """The watch for backwards without the scale looks at the first iterations only: then its hooks are gone and it
+    costs nothing per step; arming it again (the next fit, the next ``fabric.setup``) opens a new window."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt])
+    watched = recipe.watched
+    assert watched == 1 + len(list(net.parameters()))
+    for i in range(WATCHED_UPDATES):
+        assert recipe.watched == watched, i
+        recipe.iteration_start()
+        loss = recipe.scale(_loss(net))
+        with recipe.backward():
+            loss.backward()
+        recipe.step(opt)
+        recipe.iteration_end()
+        opt.zero_grad()
+    assert recipe.watched == 0
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+    recipe.watch_unscaled_backward([opt])
+    assert recipe.watched == watched

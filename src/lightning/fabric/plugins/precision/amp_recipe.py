@@ -58,6 +58,9 @@ except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
 
 # Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
 _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
+#: how many scaler updates the watch for backwards without the scale stays on once armed (each fit, each
+#: `fabric.setup`): a loop's misuse shows in its first iterations, and afterwards the watch costs nothing per step
+WATCHED_UPDATES = 8
 # `GradScaler("cpu")` scales on the CPU from torch 2.3; before, a scaler is CUDA's and disables itself on a CPU run.
 _CPU_GRAD_SCALER_AVAILABLE = hasattr(torch.amp, "GradScaler")
 
@@ -88,6 +91,16 @@ def _handles_unscaling_itself(optimizer: Any) -> bool:
 def _takes_grad_scaler(step: Any) -> bool:
     # once per class's `step`: `inspect.signature` is too slow for every optimizer step
     return "grad_scaler" in inspect.signature(step).parameters
+
+
+def _refuse_lbfgs(optimizer: Any, error: type[Exception]) -> None:
+    """LBFGS cannot run under a gradient scaler; ``error`` is the type each package raised before."""
+    if isinstance(optimizer, LBFGS):
+        raise error(
+            "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
+            " several times per step and reads the gradients in between, which the scaler cannot unscale."
+            " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
+        )
 
 
 def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
@@ -352,6 +365,7 @@ class GradScalerRecipe:
         # the watched optimizers and parameters and their hook handles, held weakly by identity: a collected one's
         # id() may come back, and its hook goes with it
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._watch_ends_at_update = 0
 
     def _record(self, optimizer: Any) -> _OptimizerRecord:
         record = self._records.get(optimizer)
@@ -571,6 +585,8 @@ class GradScalerRecipe:
         if self._torch.has_inf_checks():
             self._torch.update()
             self._updates += 1
+            if self._watched and self._updates >= self._watch_ends_at_update and not self._unscaled_accumulations:
+                self.unwatch()
         for record in self._records.values():
             if record.stage is GradientStage.STEPPED:
                 record.stage = GradientStage.READY
@@ -612,10 +628,12 @@ class GradScalerRecipe:
         (``loss.backward()`` instead of the plugin's backward), and their raw ``step()`` on scaled gradients.
 
         Gradients assigned to ``.grad`` (gradient surgery) and ``torch.autograd.grad`` are not accumulations and are
-        not flagged. Costs one Python call per parameter per backward; :meth:`unwatch` removes the hooks.
+        not flagged. Costs one Python call per parameter per backward, for the next :data:`WATCHED_UPDATES` scaler
+        updates (iterations that step); then, or with :meth:`unwatch`, the hooks are removed.
         """
         if not self.scaler.is_enabled():
             return
+        self._watch_ends_at_update = self._updates + WATCHED_UPDATES
         this = weakref.ref(self)
         for optimizer in optimizers:
             if optimizer not in self._watched:
@@ -803,6 +821,8 @@ def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
     """
     if not isinstance(optimizer, SGD) or not optimizer.defaults.get("fused"):
         return
+    if len(optimizer.state) >= sum(len(group["params"]) for group in optimizer.param_groups):
+        return  # every parameter has stepped (or was given its buffer here): nothing to scan
     for group in optimizer.param_groups:
         if group["momentum"] == 0:
             continue
@@ -930,12 +950,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)
-        if isinstance(optimizer, LBFGS):
-            raise TypeError(
-                "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
-                " several times per step and reads the gradients in between, which the scaler cannot unscale."
-                " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
-            )
+        _refuse_lbfgs(optimizer, TypeError)
         # the scaler skips the step if the gradients hold inf/NaN
         return self._recipe.step(optimizer, self._aliases(optimizer), **kwargs)  # type: ignore[arg-type]
 

@@ -30,13 +30,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import (
     _AUTOCAST_CACHE_IS_SAFE,
     _autocast_enabled,
+    _refuse_lbfgs,
     _ScalerRecipeHolder,
 )
 from lightning.fabric.utilities.types import Optimizable
@@ -166,12 +167,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def _scaled_optimizer_step(
         self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if isinstance(optimizer, LBFGS):
-            raise MisconfigurationException(
-                "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
-                " several times per step and reads the gradients in between, which the scaler cannot unscale."
-                " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
-            )
+        _refuse_lbfgs(optimizer, MisconfigurationException)
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
         optimizer, wrappers = self._unwrap(optimizer)
