@@ -105,7 +105,7 @@ class Case:
 
     workload: str
     precision: str
-    mode: str  # "auto" or "manual"
+    mode: str  # "auto", "manual", or "fabric" (a hand-written Fabric loop)
     clip: float = 0.0
     fused: dict = field(default_factory=lambda: {"fork": False, "stock": False, "raw": False})
     foreach: bool | None = None  # AdamW's implementation when not fused (None: torch's default)
@@ -124,7 +124,8 @@ class Case:
     def label(self) -> str:
         if self.aa:
             return f"A/A check: stock vs stock, {LABELS[self.workload]}, {self.precision}, automatic"
-        return f"{LABELS[self.workload]}, {self.precision}, {'manual' if self.mode == 'manual' else 'automatic'}"
+        mode = {"manual": "manual", "auto": "automatic", "fabric": "Fabric"}[self.mode]
+        return f"{LABELS[self.workload]}, {self.precision}, {mode}"
 
 
 def build_cases(workloads: list[str], clip: float, aa: bool = True, many_steps: int | None = None) -> list[Case]:
@@ -145,7 +146,7 @@ def build_cases(workloads: list[str], clip: float, aa: bool = True, many_steps: 
         # foreach AdamW (every contender), so that the optimizer's own per-tensor loop does not drown the rest.
         # 16-mixed in both modes (the fork's per-parameter hooks exist only in manual optimization with a scaler), and
         # bf16-mixed manual: the same mode without a scaler, hence without the hooks
-        many = [("16-mixed", "auto"), ("16-mixed", "manual"), ("bf16-mixed", "manual")]
+        many = [("16-mixed", "auto"), ("16-mixed", "manual"), ("16-mixed", "fabric"), ("bf16-mixed", "manual")]
         cases += [Case("many", precision, mode, foreach=True, steps=many_steps) for precision, mode in many]
         if aa:
             cases.insert(-1, Case("many", "16-mixed", "auto", foreach=True, steps=many_steps, aa=True))

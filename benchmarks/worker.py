@@ -313,6 +313,41 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
     }
 
 
+def run_fabric(spec: dict, gate: Channel | None = None) -> dict:
+    """The same work through ``lightning.fabric.Fabric``, in a hand-written loop: ``fabric.backward(loss)``, then
+    ``fabric.clip_gradients`` (with a clip) and ``optimizer.step()``."""
+    import lightning
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    device, precision, clip = spec["device"], spec["precision"], spec["clip"]
+    kwargs: dict = {}
+    if precision == "16-mixed":
+        kwargs["plugins"] = [MixedPrecision("16-mixed", device, scaler=_scaler(device))]
+    else:
+        kwargs["precision"] = "32-true" if precision == "32" else precision
+    fabric = Fabric(accelerator="gpu" if device == "cuda" else "cpu", devices=1, **kwargs)
+    torch.manual_seed(0)
+    model = build_model(spec["workload"], spec["sizes"])
+    model, opt = fabric.setup(model, build_optimizer(model.parameters(), spec["fused"], spec.get("foreach")))
+    total = spec["warmup"] + spec["steps"] + 1
+    batches = build_batches(spec["workload"], spec["sizes"], device)
+    clock, meter = StepClock(device, gate), MemoryMeter(device)
+    meter.start()
+    for i in range(total):
+        x, y = batches[i % len(batches)]
+        clock.mark()
+        opt.zero_grad(set_to_none=True)
+        with fabric.autocast():  # the workload's `loss` method, under the precision's autocast as a forward would be
+            loss = model.module.loss(x, y)
+        fabric.backward(loss)
+        if clip:
+            fabric.clip_gradients(model, opt, max_norm=clip)
+        opt.step()
+    return {"times": clock.intervals(), "cpu_times": clock.cpu_intervals(), "mem": meter.stop(),
+            "mem_method": meter.method, "lightning": lightning.__version__}
+
+
 def _autocast_cache(plugin) -> bool | None:
     """Whether the precision plugin's autocast caches casts (None: the plugin does not autocast)."""
     make = getattr(plugin, "autocast_context_manager", None)
@@ -323,7 +358,12 @@ def run_spec(spec: dict, gate: Channel | None = None) -> dict:
     """Run one measurement in this process and return its result (the JSON of the ``result`` line)."""
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    result = run_raw(spec, gate) if spec["impl"] == "raw" else run_lightning(spec, gate)
+    if spec["impl"] == "raw":
+        result = run_raw(spec, gate)
+    elif spec["mode"] == "fabric":
+        result = run_fabric(spec, gate)
+    else:
+        result = run_lightning(spec, gate)
     result["times"] = result["times"][spec["warmup"]:]
     if result["cpu_times"] is not None:
         result["cpu_times"] = result["cpu_times"][spec["warmup"]:]

@@ -354,9 +354,8 @@ MUTATIONS = (
         "zeroed-gradients-of-an-earlier-iteration-step",
         "gradients unscaled in an earlier iteration and zeroed since step as torch steps them (issue 21.14)",
         FABRIC_RECIPE,
-        "            if not _holds_live_gradients(optimizer):\n"
-        "                # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle\n",
-        "            if False:\n",
+        "        if unscaled_before_an_update and not _holds_live_gradients(optimizer):\n",
+        "        if False:\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "earlier_iteration_and_zeroed"),
     ),
     Mutation(

@@ -240,9 +240,7 @@ def assert_follows(actual: RunResult, expected: RunResult, records: bool = True)
         raise
     if records:
         # by repr: floats compare exactly, and the NaN norm of an overflow step equals the recipe's NaN
-        assert repr(actual.records) == repr(expected.records), (
-            f"records: {actual.records} != recipe {expected.records}"
-        )
+        assert repr(actual.records) == repr(expected.records), f"records: {actual.records} != recipe {expected.records}"
 
 
 @dataclass

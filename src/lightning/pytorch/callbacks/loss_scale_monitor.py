@@ -114,7 +114,8 @@ class LossScaleMonitor(Callback):
 
     def _stats(self, trainer: "pl.Trainer") -> dict[str, float]:
         plugin = _scaling_plugin(trainer)
-        assert plugin is not None and plugin.scaler is not None
+        assert plugin is not None
+        assert plugin.scaler is not None
         return {"loss_scale": float(plugin.scaler.get_scale()), "skipped_steps": float(self._skipped_steps(plugin))}
 
     def _skipped_steps(self, plugin: Optional["_AMPRecipePrecision"]) -> int:

@@ -18,7 +18,13 @@ from lightning.fabric.plugins.precision.amp_recipe import (
     IterationPhase,
     _check_scaler_is_enabled,
 )
-from tests_fabric.helpers.torch_features import GradScaler, OptState, cpu_grad_scaler, cuda_grad_scaler, requires_cpu_grad_scaler
+from tests_fabric.helpers.torch_features import (
+    GradScaler,
+    OptState,
+    cpu_grad_scaler,
+    cuda_grad_scaler,
+    requires_cpu_grad_scaler,
+)
 
 pytestmark = requires_cpu_grad_scaler
 

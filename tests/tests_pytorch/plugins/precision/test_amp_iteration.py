@@ -260,7 +260,7 @@ def test_a_step_in_on_train_epoch_end_gets_its_update_when_training_ends():
 
 
 class ClosureThenPlainStep(TinyModule):
-    """Automatic optimization with an ``optimizer_step`` override that runs the closure itself, then steps without it."""
+    """Automatic optimization with an ``optimizer_step`` override that runs the closure, then steps without it."""
 
     data_seed = 3
 

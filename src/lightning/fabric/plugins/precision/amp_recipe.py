@@ -54,7 +54,7 @@ from lightning.fabric.utilities.types import Optimizable
 try:  # torch >= 2.3
     from torch.amp.grad_scaler import OptState as _TorchOptState
 except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
-    from torch.cuda.amp.grad_scaler import OptState as _TorchOptState  # type: ignore[no-redef]
+    from torch.cuda.amp.grad_scaler import OptState as _TorchOptState
 
 # Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
 _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
@@ -508,8 +508,8 @@ class GradScalerRecipe:
             return optimizer.step(**kwargs)
         if kwargs.get("closure") is not None:
             raise RuntimeError(
-                f"`{type(optimizer).__name__}.step(closure)` was called under a gradient scaler. torch's GradScaler does"
-                " not support closures (\"Closure use is not currently supported if GradScaler is enabled\"): the"
+                f"`{type(optimizer).__name__}.step(closure)` was called under a gradient scaler. torch's GradScaler"
+                ' does not support closures ("Closure use is not currently supported if GradScaler is enabled"): the'
                 " gradients the closure computes are multiplied by the loss scale and must be unscaled and checked for"
                 " inf/NaN before the step. Run the closure yourself (`loss = closure()`), then call `step()` without"
                 " it. The step was not taken."
@@ -517,11 +517,13 @@ class GradScalerRecipe:
         self._refuse_unscaled_accumulations(optimizer, f"`{type(optimizer).__name__}.step()`")
         record = self._reconcile(optimizer, aliases)
         self._refuse_mixed_scales(optimizer, record)
-        if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
-            if not _holds_live_gradients(optimizer):
-                # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle
-                self._torch.forget(optimizer)
-                record.stage = GradientStage.READY
+        unscaled_before_an_update = (
+            record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates
+        )
+        if unscaled_before_an_update and not _holds_live_gradients(optimizer):
+            # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle
+            self._torch.forget(optimizer)
+            record.stage = GradientStage.READY
         if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
             raise RuntimeError(
                 f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
@@ -763,9 +765,8 @@ class GradScalerRecipe:
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`); hooks and weak records stay in this process
         state = self.__dict__.copy()
-        state.update(
-            _records=None, _aliases=None, _optimizers=None, _watched=None, _unscaled_accumulations={}, _unscaled_watch=[]
-        )
+        unpicklable = ("_records", "_aliases", "_optimizers", "_watched")
+        state.update(dict.fromkeys(unpicklable), _unscaled_accumulations={}, _unscaled_watch=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -864,7 +865,9 @@ class _ScalerRecipeHolder:
     def _recipe(self) -> GradScalerRecipe:
         assert self.scaler is not None
         if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
-            self._scaler_recipe = GradScalerRecipe(self.scaler, aliases=self._aliases, optimizers=self._known_optimizers)
+            self._scaler_recipe = GradScalerRecipe(
+                self.scaler, aliases=self._aliases, optimizers=self._known_optimizers
+            )
         return self._scaler_recipe
 
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
