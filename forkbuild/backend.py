@@ -16,8 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from forkbuild import assemble, editable, upstream
-from forkbuild.pin import BuildError
+from forkbuild import assemble, companion, editable, upstream
+from forkbuild.pin import ROOT, BuildError
 
 FLAVOUR_SETTING = "flavour"
 
@@ -43,9 +43,11 @@ def hooks(default: str = "lightning") -> SimpleNamespace:
     ) -> str:
         flv = _flavour(config_settings, default)
         pin = assemble.flavour_pin(flv)
+        # built in pip's or uv's clone of a git URL, lightning names its companion there (one URL installs both)
+        reference = companion.direct_reference(ROOT) if flv.name == "lightning" else None
         with tempfile.TemporaryDirectory(prefix="lightning-fork-") as tmp:
             upstream_wheel = upstream.obtain(pin, Path(tmp), config_settings)
-            return assemble.write_wheel(pin, upstream_wheel, Path(wheel_directory), flv).name
+            return assemble.write_wheel(pin, upstream_wheel, Path(wheel_directory), flv, reference).name
 
     def build_sdist(sdist_directory: str, config_settings: Optional[Mapping[str, Any]] = None) -> str:
         flv = _flavour(config_settings, default)
