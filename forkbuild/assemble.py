@@ -195,10 +195,12 @@ def _version_infos(flv: Flavour) -> list[str]:
 
 
 def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None,
-               companion: Optional[str] = None) -> dict[str, bytes]:
+               companion: Optional[str] = None,
+               inputs: Optional[tuple[list[Patch], dict[str, bytes]]] = None) -> dict[str, bytes]:
     """Every file of the flavour's wheel (the fork's ``lightning`` by default), RECORD included, in wheel order (the
     .dist-info folder last). ``pin`` is the pin of the flavour's upstream wheel; ``companion`` replaces lightning's
-    pin of ``pytorch-lightning`` (a direct reference, forkbuild/companion.py)."""
+    pin of ``pytorch-lightning`` (a direct reference, forkbuild/companion.py); ``inputs`` (patches and modules in
+    lightning's layout) replace the series and src/ (the patched tree's edits: devtree.standalone_wheel)."""
     flv = flv or FLAVOURS["lightning"]
     files, upstream_dist_info = read_upstream(upstream_wheel)
     version = version_of(pin, flv)
@@ -211,14 +213,22 @@ def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None,
             raise BuildError(f"{upstream_wheel.name}: files outside the renamed packages: {unmapped}")
         meta = {k: flv.whole.data(v) if k == "top_level.txt" else v for k, v in meta.items()}
     if flv.patched:
-        overlay = overlay_files(rename=flv.rename)
+        if inputs is None:
+            overlay = overlay_files(rename=flv.rename)
+            patches, unmapped = series(flv.rename)
+        else:
+            patches, unmapped = [], []
+            for patch in inputs[0]:
+                renamed, missing = flv.rename.patch(patch) if flv.rename is not None else (patch, [])
+                patches.append(renamed)
+                unmapped += missing
+            overlay = inputs[1] if flv.rename is None else flv.rename.files(inputs[1])[0]
         clashes = sorted(set(overlay) & set(package))
         if clashes:
             raise BuildError(
                 f"src/ would overwrite upstream files {clashes}: change upstream files with a patch in patches/, never"
                 " by laying a copy over them"
             )
-        patches, unmapped = series(flv.rename)
         for patch in patches:
             apply_patch(patch, package)
         package.update(overlay)
@@ -253,9 +263,10 @@ def _zip_info(name: str) -> zipfile.ZipInfo:
 
 
 def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path, flv: Optional[Flavour] = None,
-                companion: Optional[str] = None) -> Path:
+                companion: Optional[str] = None,
+                inputs: Optional[tuple[list[Patch], dict[str, bytes]]] = None) -> Path:
     flv = flv or FLAVOURS.get(pin.name, FLAVOURS["lightning"])
-    files = fork_files(pin, upstream_wheel, flv, companion)
+    files = fork_files(pin, upstream_wheel, flv, companion, inputs)
     target = Path(directory) / wheel_name(pin, flv)
     partial = target.with_name(target.name + ".part")
     with zipfile.ZipFile(partial, "w") as z:

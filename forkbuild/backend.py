@@ -10,11 +10,12 @@ standalone ``pytorch-lightning`` through the same hooks (its backend module sets
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from forkbuild import assemble, companion, editable, upstream
 from forkbuild.pin import ROOT, BuildError
@@ -24,6 +25,21 @@ FLAVOUR_SETTING = "flavour"
 
 def _flavour(config_settings: Optional[Mapping[str, Any]], default: str) -> assemble.Flavour:
     return assemble.flavour((config_settings or {}).get(FLAVOUR_SETTING) or default)
+
+
+def _exits_with_the_message(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook whose :class:`BuildError` ends the build with its message alone. pip and uv print a failed hook's
+    traceback, and pip, when the hook stood in for an optional one we do not define (``prepare_metadata_for_build_*``),
+    the ``AttributeError`` of that lookup above it; the message is all a user needs."""
+
+    @functools.wraps(hook)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except BuildError as err:
+            raise SystemExit(f"error: {err}") from None
+
+    return wrapper
 
 
 def hooks(default: str = "lightning") -> SimpleNamespace:
@@ -73,7 +89,9 @@ def hooks(default: str = "lightning") -> SimpleNamespace:
             upstream_wheel = upstream.obtain(pin, Path(tmp), config_settings)
             return editable.write_editable_wheel(pin, upstream_wheel, Path(wheel_directory), config_settings).name
 
-    return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and not k.startswith("_")})
+    return SimpleNamespace(
+        **{k: _exits_with_the_message(v) for k, v in locals().items() if callable(v) and not k.startswith("_")}
+    )
 
 
 _lightning = hooks("lightning")
