@@ -28,7 +28,7 @@ REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
 
 SERIES_TESTS ?= all
-.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree export wheel clean
+.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree tree-standalone export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,11 @@ tree:
 
 export:
 	$(PYTHON) -m forkbuild export
+
+## tree-standalone: `import pytorch_lightning` / `lightning_fabric` in $(VENV) from .tree/'s working files (edits
+##        included, exported or not); an editable install imports `lightning` from .tree/ itself
+tree-standalone:
+	$(PY) -m forkbuild tree-standalone --install
 
 ## wheel: build dist/lightning-<version>+<label>-py3-none-any.whl and dist/pytorch_lightning-<version>+<label>-...whl
 wheel:

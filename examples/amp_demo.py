@@ -24,9 +24,10 @@ What is compared
       2.6.6 wheel unpatched, with its packages renamed so that it installs next to the fork (``make setup`` builds and
       installs it): it shows what the fork fixes;
 
-    each in precision ``32``, ``bf16-mixed`` and ``16-mixed``. On a CPU, ``precision="16-mixed"`` alone silently
-    becomes bf16, so 16-mixed is requested as ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``: float16
-    autocast with a real gradient scaler, whose scale grows until float16 overflows and steps get skipped.
+    each in precision ``32``, ``bf16-mixed`` and ``16-mixed``. On a CPU, stock 2.6.6 turns ``precision="16-mixed"``
+    into bf16 (the fork, with torch >= 2.3, does not), so 16-mixed is requested from both as
+    ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``: float16 autocast with a real gradient scaler,
+    whose scale grows until float16 overflows and steps get skipped.
 
 What it prints
     For every run, the largest absolute difference of its final parameters (student and teacher) from the recipe's,

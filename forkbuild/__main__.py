@@ -1,9 +1,10 @@
-"""``python -m forkbuild {tree,export,wheel,standalone-tests}``: the developer's commands (see devtree, assemble and
-standalone_tests)."""
+"""``python -m forkbuild {tree,export,tree-standalone,wheel,standalone-tests}``: the developer's commands (see devtree,
+assemble and standalone_tests)."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     tree = commands.add_parser("tree", help="materialise the patched tree in .tree/ as a git history")
     tree.add_argument("--force", action="store_true", help="replace an existing .tree/")
     commands.add_parser("export", help="write .tree/'s commits back into patches/ and src/")
+    from_tree = commands.add_parser(
+        "tree-standalone", help="the standalone pytorch-lightning wheel from .tree/'s working files (edits included)"
+    )
+    from_tree.add_argument("-o", "--outdir", type=Path, default=Path("build/tree-standalone"))
+    from_tree.add_argument("--install", action="store_true",
+                           help="and install it (pip install --no-deps --force-reinstall) into this interpreter")
     wheel = commands.add_parser("wheel", help="build the fork's wheels (lightning and pytorch-lightning by default)")
     wheel.add_argument("-o", "--outdir", type=Path, default=Path("dist"))
     wheel.add_argument("--flavour", action="append", choices=sorted(assemble.FLAVOURS),
@@ -32,6 +39,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"materialised {devtree.materialise(force=args.force)}")
         elif args.command == "export":
             print("series:", *devtree.export(), sep="\n  ")
+        elif args.command == "tree-standalone":
+            for old in args.outdir.glob("*.whl"):
+                old.unlink()
+            wheel = devtree.standalone_wheel(args.outdir)
+            print(wheel)
+            if args.install:
+                pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)]
+                return subprocess.run(pip).returncode
         elif args.command == "standalone-tests":
             root = Path(__file__).resolve().parent.parent
             files = standalone_tests.generate(root / "tests", args.outdir, root / "pyproject.toml")

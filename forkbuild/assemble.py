@@ -133,11 +133,13 @@ def read_upstream(wheel: Path) -> tuple[dict[str, bytes], str]:
 _COMPANION = re.compile(r"^Requires-Dist: pytorch-lightning\s*(;.*)?$")
 
 
-def _metadata(upstream: bytes, pin: Pin, readme: str, flv: Optional[Flavour] = None) -> bytes:
+def _metadata(upstream: bytes, pin: Pin, readme: str, flv: Optional[Flavour] = None,
+              companion: Optional[str] = None) -> bytes:
     """Upstream's METADATA with our version, a summary that says this is a fork, and our README as description.
 
     ``lightning`` 2.6.6 requires ``pytorch-lightning`` (any version); the fork requires exactly the patched one
-    (``pytorch-lightning==2.6.6+amp.1``), so that pip and uv refuse to pair it with a stock copy."""
+    (``pytorch-lightning==2.6.6+amp.1``), so that pip and uv refuse to pair it with a stock copy, or, given
+    ``companion`` (a direct reference, forkbuild/companion.py), the patched one from where this build came from."""
     flv = flv or FLAVOURS["lightning"]
     head, _, _ = upstream.decode("utf-8").partition("\n\n")
     lines = []
@@ -152,7 +154,7 @@ def _metadata(upstream: bytes, pin: Pin, readme: str, flv: Optional[Flavour] = N
             line = "Description-Content-Type: text/markdown"
         elif flv.name == "lightning" and _COMPANION.match(line):
             marker = _COMPANION.match(line).group(1) or ""
-            line = f"Requires-Dist: {STANDALONE}=={pin.fork_version}{marker}"
+            line = f"Requires-Dist: {companion or f'{STANDALONE}=={pin.fork_version}'}{marker}"
         lines.append(line)
     return ("\n".join(lines) + "\n\n" + readme).encode("utf-8")
 
@@ -192,9 +194,13 @@ def _version_infos(flv: Flavour) -> list[str]:
     return [f"{dst.replace('.', '/')}/version.info" for _, dst in flv.rename.packages]
 
 
-def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None) -> dict[str, bytes]:
+def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None,
+               companion: Optional[str] = None,
+               inputs: Optional[tuple[list[Patch], dict[str, bytes]]] = None) -> dict[str, bytes]:
     """Every file of the flavour's wheel (the fork's ``lightning`` by default), RECORD included, in wheel order (the
-    .dist-info folder last). ``pin`` is the pin of the flavour's upstream wheel."""
+    .dist-info folder last). ``pin`` is the pin of the flavour's upstream wheel; ``companion`` replaces lightning's
+    pin of ``pytorch-lightning`` (a direct reference, forkbuild/companion.py); ``inputs`` (patches and modules in
+    lightning's layout) replace the series and src/ (the patched tree's edits: devtree.standalone_wheel)."""
     flv = flv or FLAVOURS["lightning"]
     files, upstream_dist_info = read_upstream(upstream_wheel)
     version = version_of(pin, flv)
@@ -207,14 +213,22 @@ def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None) ->
             raise BuildError(f"{upstream_wheel.name}: files outside the renamed packages: {unmapped}")
         meta = {k: flv.whole.data(v) if k == "top_level.txt" else v for k, v in meta.items()}
     if flv.patched:
-        overlay = overlay_files(rename=flv.rename)
+        if inputs is None:
+            overlay = overlay_files(rename=flv.rename)
+            patches, unmapped = series(flv.rename)
+        else:
+            patches, unmapped = [], []
+            for patch in inputs[0]:
+                renamed, missing = flv.rename.patch(patch) if flv.rename is not None else (patch, [])
+                patches.append(renamed)
+                unmapped += missing
+            overlay = inputs[1] if flv.rename is None else flv.rename.files(inputs[1])[0]
         clashes = sorted(set(overlay) & set(package))
         if clashes:
             raise BuildError(
                 f"src/ would overwrite upstream files {clashes}: change upstream files with a patch in patches/, never"
                 " by laying a copy over them"
             )
-        patches, unmapped = series(flv.rename)
         for patch in patches:
             apply_patch(patch, package)
         package.update(overlay)
@@ -226,7 +240,7 @@ def fork_files(pin: Pin, upstream_wheel: Path, flv: Optional[Flavour] = None) ->
 
     dist_info = f"{flv.project}-{version}.dist-info"
     readme = README.read_text(encoding="utf-8") if flv.patched else STOCK_DESCRIPTION.format(version=pin.version)
-    meta["METADATA"] = _metadata(meta["METADATA"], pin, readme, flv)
+    meta["METADATA"] = _metadata(meta["METADATA"], pin, readme, flv, companion)
     if fork_txt is not None:
         meta["FORK.txt"] = fork_txt
     out = dict(sorted(package.items()))
@@ -248,9 +262,11 @@ def _zip_info(name: str) -> zipfile.ZipInfo:
     return info
 
 
-def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path, flv: Optional[Flavour] = None) -> Path:
+def write_wheel(pin: Pin, upstream_wheel: Path, directory: Path, flv: Optional[Flavour] = None,
+                companion: Optional[str] = None,
+                inputs: Optional[tuple[list[Patch], dict[str, bytes]]] = None) -> Path:
     flv = flv or FLAVOURS.get(pin.name, FLAVOURS["lightning"])
-    files = fork_files(pin, upstream_wheel, flv)
+    files = fork_files(pin, upstream_wheel, flv, companion, inputs)
     target = Path(directory) / wheel_name(pin, flv)
     partial = target.with_name(target.name + ".part")
     with zipfile.ZipFile(partial, "w") as z:

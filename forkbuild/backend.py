@@ -10,20 +10,36 @@ standalone ``pytorch-lightning`` through the same hooks (its backend module sets
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from forkbuild import assemble, editable, upstream
-from forkbuild.pin import BuildError
+from forkbuild import assemble, companion, editable, upstream
+from forkbuild.pin import ROOT, BuildError
 
 FLAVOUR_SETTING = "flavour"
 
 
 def _flavour(config_settings: Optional[Mapping[str, Any]], default: str) -> assemble.Flavour:
     return assemble.flavour((config_settings or {}).get(FLAVOUR_SETTING) or default)
+
+
+def _exits_with_the_message(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook whose :class:`BuildError` ends the build with its message alone. pip and uv print a failed hook's
+    traceback, and pip, when the hook stood in for an optional one we do not define (``prepare_metadata_for_build_*``),
+    the ``AttributeError`` of that lookup above it; the message is all a user needs."""
+
+    @functools.wraps(hook)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except BuildError as err:
+            raise SystemExit(f"error: {err}") from None
+
+    return wrapper
 
 
 def hooks(default: str = "lightning") -> SimpleNamespace:
@@ -43,9 +59,11 @@ def hooks(default: str = "lightning") -> SimpleNamespace:
     ) -> str:
         flv = _flavour(config_settings, default)
         pin = assemble.flavour_pin(flv)
+        # built in pip's or uv's clone of a git URL, lightning names its companion there (one URL installs both)
+        reference = companion.direct_reference(ROOT) if flv.name == "lightning" else None
         with tempfile.TemporaryDirectory(prefix="lightning-fork-") as tmp:
             upstream_wheel = upstream.obtain(pin, Path(tmp), config_settings)
-            return assemble.write_wheel(pin, upstream_wheel, Path(wheel_directory), flv).name
+            return assemble.write_wheel(pin, upstream_wheel, Path(wheel_directory), flv, reference).name
 
     def build_sdist(sdist_directory: str, config_settings: Optional[Mapping[str, Any]] = None) -> str:
         flv = _flavour(config_settings, default)
@@ -71,7 +89,9 @@ def hooks(default: str = "lightning") -> SimpleNamespace:
             upstream_wheel = upstream.obtain(pin, Path(tmp), config_settings)
             return editable.write_editable_wheel(pin, upstream_wheel, Path(wheel_directory), config_settings).name
 
-    return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and not k.startswith("_")})
+    return SimpleNamespace(
+        **{k: _exits_with_the_message(v) for k, v in locals().items() if callable(v) and not k.startswith("_")}
+    )
 
 
 _lightning = hooks("lightning")

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from forkbuild import assemble, stamp, upstream
-from forkbuild.patching import apply_file, parse, read_series
-from forkbuild.pin import ROOT, BuildError, read_pin
+from forkbuild.patching import Patch, apply_file, parse, read_series
+from forkbuild.pin import ROOT, STANDALONE, BuildError, read_pin
 
 TREE = ROOT / ".tree"
 _IDENTITY = ["-c", "user.name=forkbuild", "-c", "user.email=forkbuild@localhost", "-c", "commit.gpgsign=false"]
@@ -143,3 +143,34 @@ def export(tree: Path = TREE) -> list[str]:
         target.write_bytes((tree / name).read_bytes())
     stamp.write(tree, ROOT)  # the inputs now say what the tree says
     return written
+
+
+def tree_inputs(tree: Path = TREE) -> tuple[list[Patch], dict[str, bytes]]:
+    """The tree's working files, committed or not, as build inputs in lightning's layout: one patch holding every
+    change to upstream's files (against the ``upstream`` tag), and the files upstream does not have (our modules)."""
+    if not (tree / ".git").is_dir():
+        raise BuildError(f"{tree} is not a materialised tree; run `make tree` first")
+    upstream_files = set(_git(tree, "ls-tree", "-r", "--name-only", "upstream", "--", "src").splitlines())
+    present = {
+        p.relative_to(tree).as_posix() for p in (tree / "src").rglob("*")
+        if p.is_file() and not any(part == "__pycache__" or part.endswith((".pyc", ".pyo")) for part in p.parts)
+    }
+    changed = _git(tree, "diff", "--name-only", "--no-renames", "--diff-filter=M", "upstream", "--", "src").split()
+    patches = []
+    if changed:
+        diff = _git(tree, "diff", "--no-color", "--no-renames", "--full-index", "upstream", "--", *changed)
+        patches.append(parse(f"{tree.name}-working-files", f"The working files of {tree}.\n\n{diff}"))
+    overlay = {name[len("src/"):]: (tree / name).read_bytes() for name in sorted(present - upstream_files)}
+    return patches, overlay
+
+
+def standalone_wheel(out: Path, tree: Path = TREE) -> Path:
+    """The standalone ``pytorch-lightning`` wheel built from the tree's working files instead of patches/ and src/:
+    what ``import pytorch_lightning`` gets from edits in .tree/ before they are exported (an editable install
+    imports ``lightning`` from the tree itself)."""
+    flv = assemble.flavour(STANDALONE)
+    pin = assemble.flavour_pin(flv)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = tree_inputs(tree)
+    with tempfile.TemporaryDirectory() as tmp:
+        return assemble.write_wheel(pin, upstream.obtain(pin, Path(tmp)), out, flv, inputs=inputs)

@@ -432,6 +432,22 @@ MUTATIONS = (
         "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "collected_model"),
     ),
+    Mutation(
+        "pytree-leaf-spec",
+        "a leaf's tree spec comes from `treespec_leaf()`, without torch's deprecation warning (patch 0017)",
+        "pytorch/utilities/_pytree.py",
+        "        return [pytree], treespec_leaf()\n",
+        "        return [pytree], LeafSpec()\n",
+        ("tests/tests_pytorch/utilities/test_pytree_leaf_spec.py",),
+    ),
+    Mutation(
+        "cpu-16-mixed-is-float16",
+        "`precision='16-mixed'` on a CPU gets a CPU gradient scaler where torch has one (patch 0018)",
+        "fabric/connector.py",
+        "    if _TORCH_GREATER_EQUAL_2_3:\n        rank_zero_info(",
+        "    if False:\n        rank_zero_info(",
+        (f"{PRECISION_TESTS}/test_cpu_16_mixed.py", f"{FABRIC_TESTS}/test_cpu_16_mixed.py"),
+    ),
 )
 
 

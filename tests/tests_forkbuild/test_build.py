@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,19 +126,47 @@ def test_build_with_isolation_downloads_through_pip_config(
     assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
 
 
+def _commit(repo: Path) -> str:
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _companion_line(metadata: str) -> str:
+    (line,) = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist: pytorch-lightning")]
+    return line
+
+
+def _metadata_but_the_companion(metadata: str) -> list[str]:
+    return [ln for ln in metadata.splitlines() if not ln.startswith("Requires-Dist: pytorch-lightning")]
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_build_from_a_git_url(
     helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    """``pip install git+<repo>`` sees only committed files: the committed build inputs must be enough."""
-    repo = repo_copy
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
+    """``pip install git+<repo>`` sees only committed files: the committed build inputs must be enough. Built in
+    pip's clone, the wheel is the reference but for lightning's requirement on its companion, which names the same
+    URL and commit (forkbuild/companion.py; ``file://localhost/``, which pip < 24 accepts in a requirement)."""
+    commit = _commit(repo_copy)
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
-    done = helpers.pip_wheel(f"git+{repo.as_uri()}", tmp_path / "out", env)
+    done = helpers.pip_wheel(f"git+{repo_copy.as_uri()}", tmp_path / "out", env)
     assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+    built = helpers.wheel_files(helpers.only_wheel(tmp_path / "out", pin))
+    (tmp_path / "reference.whl").write_bytes(reference)
+    expected = helpers.wheel_files(tmp_path / "reference.whl")
+    dist_info = f"{pin.name}-{pin.fork_version}.dist-info"
+    assert built.keys() == expected.keys()
+    package = [k for k in expected if not k.startswith(dist_info + "/")]
+    assert [built[k] for k in package] == [expected[k] for k in package]
+    ours, theirs = (files[f"{dist_info}/METADATA"].decode() for files in (built, expected))
+    assert _metadata_but_the_companion(ours) == _metadata_but_the_companion(theirs)
+    assert _companion_line(theirs) == f"Requires-Dist: pytorch-lightning=={pin.fork_version}"
+    assert _companion_line(ours) == (
+        f"Requires-Dist: pytorch-lightning @ git+file://localhost{repo_copy.as_posix()}@{commit}"
+        "#subdirectory=packaging/pytorch-lightning"
+    )
 
 
 def _uv() -> Optional[str]:
@@ -152,9 +181,7 @@ def test_uv_pip_install_from_a_git_url(
 ) -> None:
     """``uv pip install git+<repo>`` builds through the same backend and installs the same files as the wheel."""
     repo = repo_copy
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
+    commit = _commit(repo)
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel), "UV_CACHE_DIR": str(tmp_path / "uv-cache")})
     venv = tmp_path / "venv"
     subprocess.run([_uv(), "venv", "-q", str(venv)], check=True, env=env, capture_output=True)
@@ -171,8 +198,20 @@ def test_uv_pip_install_from_a_git_url(
     installed = {
         row.split(",")[0]: row.split(",")[1] for row in (site / dist_info / "RECORD").read_text().splitlines()
     }
-    # uv adds its own INSTALLER (and REQUESTED) files; everything from the wheel is installed unchanged
-    assert {k: v for k, v in installed.items() if k in expected} == expected
+    # uv adds its own INSTALLER (and REQUESTED) files; everything from the wheel is installed unchanged, but for the
+    # metadata's requirement on the companion: uv's own clone of the URL (uv keeps no other trace of the URL)
+    metadata = f"{dist_info}/METADATA"
+    assert {k: v for k, v in installed.items() if k in expected and k != metadata} == {
+        k: v for k, v in expected.items() if k != metadata
+    }
+    with zipfile.ZipFile(io.BytesIO(reference)) as z:
+        theirs = z.read(metadata).decode()
+    ours = (site / metadata).read_text()
+    assert _metadata_but_the_companion(ours) == _metadata_but_the_companion(theirs)
+    companion = _companion_line(ours)
+    uv_clone = (tmp_path / "uv-cache").resolve().as_posix()
+    assert re.fullmatch(rf"Requires-Dist: pytorch-lightning @ git\+file://localhost{re.escape(uv_clone)}/git-v\d+/db/"
+                        rf"\w+@{commit}#subdirectory=packaging/pytorch-lightning", companion), companion
 
 
 def test_sdist_holds_the_recipe_and_builds_the_same_wheel(

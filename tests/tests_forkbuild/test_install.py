@@ -381,40 +381,60 @@ def _uv_or_skip() -> str:
     return str(uv)
 
 
+@pytest.fixture(scope="module")
+def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The newest pip the configured index offers, as a wheel file (pip runs from its own wheel: ``python
+    pip.whl/pip``), beside the 23.2.1 that ``python -m venv`` puts into the environment."""
+    folder = tmp_path_factory.mktemp("newest-pip")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "pip", "--no-deps", "--only-binary=:all:", "-d",
+                           str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return next(folder.glob("pip-*.whl"))
+
+
+def _installed_metadata(venv: Venv, distribution: str) -> list[str]:
+    code = f"import importlib.metadata as m; print(*m.requires({distribution!r}), sep='\\n')"
+    return venv.run("-c", code).stdout.splitlines()
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-@pytest.mark.parametrize("installer", ["pip", "uv"])
-def test_the_documented_command_installs_both_from_git(helpers, venv: Venv, pin: Pin, upstream_dir: Path,
-                                                       fork_wheel: Path, standalone_wheel: Path, tmp_path: Path,
-                                                       installer: str) -> None:
-    """``pip install "git+URL" "git+URL#subdirectory=packaging/pytorch-lightning"`` (and the same with ``uv pip``):
-    both patched distributions, from one command."""
+@pytest.mark.parametrize("installer", ["pip", "newest-pip", "uv"])
+def test_one_git_url_installs_both(request, helpers, venv: Venv, pin: Pin, upstream_dir: Path, fork_wheel: Path,
+                                   standalone_wheel: Path, tmp_path: Path, installer: str) -> None:
+    """``pip install git+URL`` (the venv's pip 23.2.1 and the newest) and ``uv pip install git+URL``: built in the
+    installer's clone, lightning names its companion from the same URL and commit (forkbuild/companion.py), so one
+    URL installs both patched distributions."""
     url = _git_repo(helpers, tmp_path / "repo")
+    commit = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
     env = _offline(helpers, venv, upstream_dir, tmp_path)
-    requirements = [url, f"{url}#subdirectory={helpers.STANDALONE_RECIPE.as_posix()}"]
     venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
     try:
-        if installer == "pip":
-            command = [str(venv.python), "-I", "-m", "pip", "install", "--no-compile", *requirements]
+        if installer == "uv":
+            command = [_uv_or_skip(), "pip", "install", "--offline", "--python", str(venv.python), url]
         else:
-            command = [_uv_or_skip(), "pip", "install", "--offline", "--python", str(venv.python), *requirements]
+            pip = [str(request.getfixturevalue("newest_pip") / "pip")] if installer == "newest-pip" else ["-m", "pip"]
+            command = [str(venv.python), "-I", *pip, "install", "--no-compile", "--no-cache-dir", url]
         done = subprocess.run(command, cwd=venv.workdir, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         assert _installed_version(venv, "lightning") == _installed_version(venv, "pytorch-lightning") == pin.fork_version
+        companion = [r for r in _installed_metadata(venv, "lightning") if r.startswith("pytorch-lightning")]
+        assert len(companion) == 1 and companion[0].startswith("pytorch-lightning @ git+file://"), companion
+        assert companion[0].endswith(f"@{commit}#subdirectory={helpers.STANDALONE_RECIPE.as_posix()}"), companion
         venv.pip("check")
     finally:
         venv.pip("install", "--no-deps", "--no-compile", "--force-reinstall", str(fork_wheel), str(standalone_wheel))
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(
     helpers, venv: Venv, pin: Pin, upstream_dir: Path, standalone_upstream_wheel: Path, fork_wheel: Path,
     standalone_wheel: Path, tmp_path: Path
 ) -> None:
     """1. Replacing the patched pytorch-lightning by stock 2.6.6 (asking for that very file: for a requirement by name
     pip and uv keep the installed ``2.6.6+amp.1``, which every 2.6.6 requirement accepts) is reported at once, and by
-    ``pip check``. 2. The fork's lightning without its companion, where stock pytorch-lightning 2.6.6 is installed:
-    pip refuses, naming the patched companion it needs, and changes nothing."""
-    url = _git_repo(helpers, tmp_path / "repo")
+    ``pip check``. 2. The fork's lightning wheel without its companion, where stock pytorch-lightning 2.6.6 is
+    installed: pip refuses, naming the patched companion it needs, and changes nothing. (From a git URL, lightning
+    brings its companion: test_one_git_url_installs_both.)"""
     env = _offline(helpers, venv, upstream_dir, tmp_path)
     expected = f"pytorch-lightning=={pin.fork_version}, but you have pytorch-lightning {pin.version}"
     try:
@@ -424,8 +444,8 @@ def test_a_stock_pytorch_lightning_beside_the_fork_is_an_error(
         assert check.returncode != 0 and f"lightning {pin.fork_version} has requirement {expected}" in check.stdout
 
         venv.pip("uninstall", "-y", "lightning")
-        done = subprocess.run([str(venv.python), "-I", "-m", "pip", "install", url], cwd=venv.workdir, env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run([str(venv.python), "-I", "-m", "pip", "install", str(fork_wheel)], cwd=venv.workdir,
+                              env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode != 0
         assert f"pytorch-lightning=={pin.fork_version}" in done.stdout + done.stderr, done.stdout + done.stderr
         assert _installed_version(venv, "pytorch-lightning") == pin.version  # nothing replaced, nothing half-done

@@ -18,6 +18,7 @@ import pytest
 import torch
 from tests_fabric.helpers.torch_features import GradScaler
 
+from lightning.fabric import connector as fabric_connector
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
@@ -193,8 +194,10 @@ def test_raises_without_a_gradient_scaler(precision):
         trainer(precision, logger=CaptureLogger(), callbacks=[LossScaleMonitor()]).fit(Model(forced=()), Positions())
 
 
-def test_raises_for_16_mixed_that_became_bf16_on_cpu():
-    """``Trainer(accelerator="cpu", precision="16-mixed")`` silently trains in bf16 (no scaler): the monitor says so."""
+def test_raises_for_16_mixed_that_became_bf16_on_cpu(monkeypatch):
+    """``Trainer(accelerator="cpu", precision="16-mixed")`` on torch < 2.3 (faked here) trains in bf16 (no scaler): the
+    monitor says so. (From torch 2.3 the flag gets a CPU scaler: tests_pytorch/plugins/precision/test_cpu_16_mixed.)"""
+    monkeypatch.setattr(fabric_connector, "_TORCH_GREATER_EQUAL_2_3", False)
     with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
         cpu_16 = Trainer(
             accelerator="cpu",

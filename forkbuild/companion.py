@@ -1,0 +1,88 @@
+"""One git URL installs both distributions: ``lightning``'s requirement on its companion ``pytorch-lightning``.
+
+The fork's ``lightning`` requires exactly the patched companion (``pytorch-lightning==2.6.6+amp.1``), which no package
+index has. So ``pip install git+URL`` alone would fail to find it. When pip or uv builds ``lightning`` in its own
+clone of a git URL, the build knows where the companion is, the same repository at the same commit, and writes that
+into the wheel's metadata as a PEP 508 direct reference::
+
+    Requires-Dist: pytorch-lightning @ git+URL@<commit>#subdirectory=packaging/pytorch-lightning
+
+which pip and uv follow. Everywhere else (``pip install .`` in a checkout, ``python -m forkbuild wheel``, an sdist)
+the pin stays, so ``pip install . ./packaging/pytorch-lightning`` and a pair of wheel files keep working: a direct
+reference there would conflict with the companion given beside it.
+
+How an installer's clone is recognised (neither pip nor uv tells the build where its source came from):
+
+* pip clones into a temporary folder named ``pip-req-build-*`` whose ``origin`` is the URL the user gave;
+* uv checks the commit out of its own clone (``<uv cache>/git-v*/db/<id>``) into ``<uv cache>/git-v*/checkouts/...``
+  and keeps no other trace of the URL, so the reference names uv's clone, which lives as long as the cached wheel.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from forkbuild.pin import STANDALONE
+
+#: where the companion's build recipe lies in the repository
+SUBDIRECTORY = f"packaging/{STANDALONE}"
+_PIP_CLONE = re.compile(r"^pip-req-build-")
+_UV_BUCKET = re.compile(r"^git-v\d+$")
+
+
+def _git(root: Path, *args: str) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _in_uv_cache(path: Path, folder: str) -> bool:
+    """Whether ``path`` lies in ``<uv cache>/git-v*/<folder>/``."""
+    parts = path.parts
+    return any(_UV_BUCKET.match(parts[i]) and parts[i + 1] == folder for i in range(len(parts) - 1))
+
+
+def installer_clone_url(root: Path) -> Optional[str]:
+    """The git URL that pip or uv cloned ``root`` from, when ``root`` is the top of such a clone; else None."""
+    root = root.resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:
+        return None
+    origin = _git(root, "config", "--get", "remote.origin.url")
+    if not origin:
+        return None
+    if _PIP_CLONE.match(root.name):
+        return origin
+    if _in_uv_cache(root, "checkouts") and _in_uv_cache(Path(origin), "db"):
+        return Path(origin).resolve().as_uri()
+    return None
+
+
+def _for_old_pips(url: str) -> str:
+    """``file:///path`` as ``file://localhost/path``: the same for git, and pip < 24 (packaging < 22) refuses a
+    ``file:`` URL without a host in a requirement (``Invalid URL``)."""
+    return "file://localhost/" + url[len("file:///"):] if url.startswith("file:///") else url
+
+
+def _git_url(origin: str) -> str:
+    if "://" not in origin and not origin.startswith("git@"):
+        origin = Path(origin).resolve().as_uri()  # a local path
+    if origin.startswith("git@"):  # scp-like syntax (git@host:owner/repo) as the ssh URL pip understands
+        host, _, path = origin.partition(":")
+        origin = f"ssh://{host}/{path}"
+    return "git+" + _for_old_pips(origin)
+
+
+def direct_reference(root: Path) -> Optional[str]:
+    """``pytorch-lightning @ git+URL@<commit>#subdirectory=packaging/pytorch-lightning`` when ``root`` is an
+    installer's clone of URL (see the module's docstring); None otherwise."""
+    origin = installer_clone_url(root)
+    commit = _git(root, "rev-parse", "HEAD") if origin else None
+    if not origin or not commit:
+        return None
+    return f"{STANDALONE} @ {_git_url(origin)}@{commit}#subdirectory={SUBDIRECTORY}"
