@@ -335,7 +335,8 @@ def fabric_api(package: str) -> SimpleNamespace:
 
 def make_fabric(precision: str, package: str = "lightning", scaler: Optional[GradScaler] = None):
     """A one-device CPU Fabric. 16-mixed goes through an explicit ``MixedPrecision`` with a CPU ``GradScaler``
-    (``Fabric(precision="16-mixed")`` on CPU would build a CUDA scaler, which disables itself)."""
+    of the test's own settings (initial scale, ``growth_interval``); stock Fabric's ``precision="16-mixed"`` on CPU
+    would build a CUDA scaler, which disables itself."""
     api = fabric_api(package)
     if uses_scaler(precision):
         plugin = api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler())

@@ -472,7 +472,7 @@ def lightning_api(package: str) -> SimpleNamespace:
 
 def make_trainer(api: SimpleNamespace, precision: str, scaler=None, callbacks=(), **kwargs: Any):
     """A CPU trainer for one epoch over the fixed batches. 16-mixed goes through an explicit ``MixedPrecision`` with a
-    CPU ``GradScaler``: ``precision="16-mixed"`` alone silently becomes bf16 on CPU."""
+    CPU ``GradScaler`` of the test's own settings (initial scale, ``growth_interval``)."""
     kwargs = {
         "accelerator": "cpu",
         "devices": 1,

@@ -91,8 +91,8 @@ class LossScaleMonitor(Callback):
             raise MisconfigurationException(
                 f"`LossScaleMonitor` needs a gradient scaler, but the precision plugin {type(plugin).__name__}"
                 f" (precision={precision!r}) has none: only float16 mixed precision scales the loss and skips steps."
-                " Remove the callback for bf16-mixed and 32-bit training. On a CPU, `precision='16-mixed'` becomes"
-                " bf16; pass `plugins=[MixedPrecision('16-mixed', 'cpu', scaler=torch.amp.GradScaler('cpu'))]`."
+                " Remove the callback for bf16-mixed and 32-bit training. On a CPU with torch < 2.3,"
+                " `precision='16-mixed'` becomes bf16 (that torch has no CPU gradient scaler)."
             )
 
     @override
