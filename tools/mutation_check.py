@@ -134,7 +134,7 @@ MUTATIONS = (
         "a scaled backward that reaches an optimizer's unscaled, not yet stepped gradients flags them; one that does"
         " not reach them leaves them to step (issue 21.6)",
         FABRIC_RECIPE,
-        "                self._watch_unscaled(optimizer)\n                return\n",
+        "                self._watch_unscaled(optimizer, cleared=False)\n                return\n",
         "                return\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_the_step"),
     ),
@@ -321,6 +321,23 @@ MUTATIONS = (
         "                self.unwatch()\n",
         "",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "watch_ends"),
+    ),
+    Mutation(
+        "inf-checks-copied",
+        "the skip signal and the skip count keep their own copy of each inf check: torch's update sums them into the"
+        " first optimizer's, in place (found by the random event sequences)",
+        FABRIC_RECIPE,
+        "        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone())\n",
+        "        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0])\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "survives_the_update"),
+    ),
+    Mutation(
+        "cleared-unscaled-keeps-its-inf-check",
+        "an optimizer unscaled and cleared stays unscaled, with its inf check, until a backward reaches it (issue 21.15)",
+        FABRIC_RECIPE,
+        "            self._watch_unscaled(optimizer, cleared=True)\n",
+        "            self._restart_step_cycle(optimizer)\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "keep_their_inf_check"),
     ),
     Mutation(
         "refusal-before-any-transition",

@@ -6,6 +6,8 @@ power-of-two scales, ``growth_interval=1``, injected infs, and compares paramete
 
 import copy
 import gc
+import random
+from typing import Optional
 
 import pytest
 import torch
@@ -503,3 +505,180 @@ def test_the_watch_ends_after_its_first_updates():
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
     recipe.watch_unscaled_backward([opt])
     assert recipe.watched == watched
+
+
+
+def test_the_skip_signal_survives_the_update():
+    """torch's ``update()`` sums the inf checks of all optimizers into the first one, in place: an optimizer whose step
+    was not skipped must not read as skipped after the update because another one's was (found by the random event
+    sequences below)."""
+    torch.manual_seed(0)
+    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: opts)
+    recipe.iteration_start()
+    with recipe.backward():
+        recipe.scale(_loss(nets[0]) + _loss(nets[1], inf=True), optimizers=lambda: opts).backward()
+    for opt in opts:
+        recipe.step(opt)  # the last one's step is followed by the update
+    assert recipe.updates == 1
+    assert [recipe.step_was_skipped(opt) for opt in opts] == [False, True]
+    recipe.iteration_end()
+    assert int(recipe.skipped_steps) == 1
+
+
+def test_cleared_unscaled_gradients_keep_their_inf_check_until_a_backward_reaches_them():
+    """Clipped with an inf, zeroed, then a backward that reaches only another network, then stepped: torch skips the
+    step on the inf check its unscale recorded, and so does the recipe (a backward that reaches the cleared gradients
+    starts a fresh step cycle instead)."""
+    torch.manual_seed(0)
+    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: opts)
+    recipe.iteration_start()
+    recipe.scale(_loss(nets[0], inf=True), optimizers=lambda: opts).backward()
+    recipe.unscale(opts[0])
+    opts[0].zero_grad()
+    with recipe.backward():
+        recipe.scale(_loss(nets[1]), optimizers=lambda: opts).backward()
+    recipe.step(opts[0])
+    assert recipe.step_was_skipped(opts[0])
+    with recipe.backward():
+        recipe.scale(_loss(nets[0]) + _loss(nets[1]), optimizers=lambda: opts).backward()
+    assert recipe._record(opts[0]).stage is GradientStage.READY  # reached: a fresh cycle
+
+# --------------------------------------------------------------------------------------------------------------------
+# random event sequences, the recipe and torch's scaler side by side
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _Twins:
+    """1-3 tiny networks with their own SGD(momentum) optimizers, twice: one side driven through the recipe, the
+    other through torch's ``GradScaler`` by hand, with torch's rules (one ``unscale_`` and one ``step`` per optimizer
+    between updates, the update at the iteration's end when an inf check was recorded)."""
+
+    def __init__(self, n: int) -> None:
+        torch.manual_seed(n)
+        self.nets = [nn.Linear(4, 2) for _ in range(n)]
+        self.twins = copy.deepcopy(self.nets)
+        self.opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in self.nets]
+        self.twin_opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in self.twins]
+        self.recipe = GradScalerRecipe(_scaler(), optimizers=lambda: self.opts)
+        self.scaler = _scaler()
+        self.unscaled: set = set()  # twins' optimizers unscaled since the last update
+        self.stepped: set = set()  # ... and stepped
+        # unscaled in an earlier iteration and not stepped: torch would unscale them again, the recipe refuses the step
+        self.stale: set = set()
+
+    def _has_grads(self, i: int) -> bool:
+        return any(p.grad is not None for p in self.twins[i].parameters())
+
+    def _has_live_grads(self, i: int) -> bool:  # zeros (``zero_grad(set_to_none=False)``) are not
+        return any(p.grad is not None and bool(p.grad.ne(0).any()) for p in self.twins[i].parameters())
+
+    def zero_grad(self, i: int, set_to_none: bool) -> None:
+        self.opts[i].zero_grad(set_to_none=set_to_none)
+        self.twin_opts[i].zero_grad(set_to_none=set_to_none)
+        self.stale.discard(i)
+
+    def can_backward(self, reached: list) -> bool:
+        # torch unscales an optimizer once between updates, so a backward after its unscale or its step in the
+        # iteration is not a recipe of torch's (the recipe refuses unscaled gradients that a backward reaches, and
+        # updates right after the last step); nor is one onto gradients left unscaled by an earlier iteration
+        return not any(i in self.stepped | self.unscaled or i in self.stale and self._has_grads(i) for i in reached)
+
+    def backward(self, reached: list, inf: bool) -> None:
+        for nets, scale in ((self.nets, None), (self.twins, self.scaler.scale)):
+            loss = sum(_loss(nets[i]) for i in reached)
+            loss = loss * float("inf") if inf else loss
+            if scale is None:
+                with self.recipe.backward():
+                    self.recipe.scale(loss, optimizers=lambda: self.opts).backward()
+            else:
+                scale(loss).backward()
+
+    def clip(self, i: int) -> None:
+        if i in self.stepped or not self._has_grads(i):
+            return  # torch: unscale_ after step raises; without gradients it leaves a state no update clears
+        self.recipe.unscale(self.opts[i])  # idempotent: a second clip in a cycle does not unscale again
+        torch.nn.utils.clip_grad_norm_(self.nets[i].parameters(), 0.05)
+        if i not in self.unscaled | self.stale:
+            self.scaler.unscale_(self.twin_opts[i])
+            self.unscaled.add(i)
+        torch.nn.utils.clip_grad_norm_(self.twins[i].parameters(), 0.05)
+
+    def step(self, i: int) -> Optional[bool]:
+        if i in self.stepped:
+            return None  # torch: one step per optimizer between updates
+        if i in self.stale and self._has_live_grads(i):
+            with pytest.raises(RuntimeError, match="unscaled in an earlier iteration"):
+                self.recipe.step(self.opts[i])
+            return None
+        self.recipe.step(self.opts[i])
+        state = self.scaler._per_optimizer_states[id(self.twin_opts[i])]
+        if i not in self.unscaled and not self._has_grads(i):
+            self.twin_opts[i].step()  # nothing to unscale: torch's scaler would refuse, the recipe steps plainly
+            skipped = False
+        else:
+            self.scaler.step(self.twin_opts[i])
+            skipped = sum(v.item() for v in state["found_inf_per_device"].values()) > 0
+        self.stepped.add(i)
+        assert self.recipe.step_was_skipped(self.opts[i]) is skipped
+        return skipped
+
+    def end_iteration(self) -> None:
+        projected = self.recipe.state_dict(include_owed_update=True)
+        self.recipe.iteration_end()
+        assert self.recipe.scaler.state_dict() == projected
+        if any(s["found_inf_per_device"] for s in self.scaler._per_optimizer_states.values()):
+            self.scaler.update()
+        self.stale |= {i for i in self.unscaled - self.stepped if self._has_live_grads(i)}
+        self.unscaled.clear()
+        self.stepped.clear()
+
+    def assert_same(self, where: str, scaler: bool = False) -> None:
+        # the scaler's state only between iterations: the recipe updates right after the last optimizer's step
+        assert not scaler or self.recipe.scaler.state_dict() == self.scaler.state_dict(), where
+        for net, twin in zip(self.nets, self.twins):
+            assert _same(net, twin), where
+            for p, q in zip(net.parameters(), twin.parameters()):
+                assert (p.grad is None) == (q.grad is None), where
+                if p.grad is not None:  # bitwise, NaN in the same places (an injected inf)
+                    torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, equal_nan=True, msg=where)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_event_sequences_follow_torchs_scaler(seed):
+    """A seeded generator of event sequences: ``zero_grad`` either way, scaled backwards reaching random subsets of
+    1-3 networks, injected infs, clipping, steps, saves and loads of the scaler's state, iteration ends. After every
+    event the recipe's side must hold what torch's scaler, driven by hand, holds: weights, gradients, the skip of
+    each step, and at each iteration's end the scaler's state."""
+    rng = random.Random(seed)
+    twins = _Twins(rng.randint(1, 3))
+    n = len(twins.opts)
+    for iteration in range(6):
+        twins.recipe.iteration_start()
+        for _ in range(rng.randint(1, 6)):
+            i, where = rng.randrange(n), f"seed {seed}, iteration {iteration}"
+            event = rng.choice(["zero_grad", "backward", "backward", "clip", "step", "save"])
+            print(iteration, event, i, flush=True)  # shown with a failure
+            if event == "zero_grad":
+                twins.zero_grad(i, set_to_none=rng.random() < 0.5)
+            elif event == "backward":
+                reached = sorted(rng.sample(range(n), rng.randint(1, n)))
+                if twins.can_backward(reached):
+                    twins.backward(reached, inf=rng.random() < 0.25)
+            elif event == "clip":
+                twins.clip(i)
+            elif event == "step":
+                twins.step(i)
+            else:  # a save changes nothing
+                twins.recipe.state_dict(include_owed_update=rng.random() < 0.5)
+            twins.assert_same(f"{where}, after {event}")
+        twins.end_iteration()
+        twins.assert_same(f"seed {seed}, end of iteration {iteration}", scaler=True)
+        if rng.random() < 0.2:  # a resume: both load the state the run continues with
+            state = twins.recipe.state_dict()
+            twins.recipe.load_state_dict(state)
+            twins.scaler.load_state_dict(state)
+            twins.stale.clear()  # a load starts every optimizer afresh, on both sides

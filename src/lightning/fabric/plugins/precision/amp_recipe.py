@@ -227,14 +227,15 @@ class _TorchScalerAdapter:
         self._states().pop(id(optimizer), None)
 
     def found_inf(self, optimizer: Any) -> Optional[Tensor]:
-        """The inf check recorded for ``optimizer``, summed over devices; ``None`` if none was recorded."""
+        """A copy of the inf check recorded for ``optimizer``, summed over devices; ``None`` if none was recorded.
+
+        A copy: ``update()`` sums the inf checks of all optimizers into the first one, in place.
+        """
         state = self._states().get(id(optimizer))
         found_infs = [] if state is None else list(state["found_inf_per_device"].values())
         if not found_infs:
             return None
-        if len(found_infs) == 1:
-            return found_infs[0]
-        return sum(f.to(found_infs[0].device) for f in found_infs)
+        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone())
 
     def zero_dim_inf_checks(self, optimizer: Any) -> None:
         """Give a fused optimizer 0-dim inf checks: its kernels subtract them from 0-dim step counters, and
@@ -411,9 +412,11 @@ class GradScalerRecipe:
                 self._begin_step_cycle(optimizer)
         return self.scaler.scale(loss)
 
-    def _watch_unscaled(self, optimizer: Any) -> None:
-        """Until this backward ends: flag ``optimizer`` if the backward reaches its unscaled gradients."""
-        hook = functools.partial(_mixed_scales_hook, self._records[optimizer])
+    def _watch_unscaled(self, optimizer: Any, cleared: bool) -> None:
+        """Until this backward ends: if it reaches ``optimizer``'s parameters, its unscaled gradients now mix two
+        scales, or, when they were ``cleared`` (None or zeros), it starts a fresh step cycle; if it does not, the
+        optimizer stays unscaled, and its step is skipped on the inf check its unscale recorded, as in torch."""
+        hook = functools.partial(_unscaled_reached_hook, weakref.ref(self), optimizer, cleared)
         self._unscaled_watch.extend(
             p.register_post_accumulate_grad_hook(hook)
             for group in optimizer.param_groups
@@ -438,11 +441,16 @@ class GradScalerRecipe:
             if _holds_live_gradients(optimizer):
                 # legal as long as this backward does not reach its parameters (two networks, each clipped after
                 # its own backward; a GAN's toggled optimizers): the backward watches them, the step decides
-                self._watch_unscaled(optimizer)
+                self._watch_unscaled(optimizer, cleared=False)
                 return
-            # cleared (None or zeros): nothing unscaled remains; its inf check still counts for the update
-            self._torch.retire(optimizer)
-            record.stage, record.mixed_scales = GradientStage.READY, False
+            # cleared (None or zeros): nothing unscaled remains until a backward reaches it
+            self._watch_unscaled(optimizer, cleared=True)
+
+    def _restart_step_cycle(self, optimizer: Any) -> None:
+        # its inf check still counts for the update
+        self._torch.retire(optimizer)
+        record = self._records[optimizer]
+        record.stage, record.mixed_scales = GradientStage.READY, False
 
     @contextmanager
     def backward(self) -> Generator[None, None, None]:
@@ -489,6 +497,7 @@ class GradScalerRecipe:
         self._refuse_unscaled_accumulations(optimizer, f"Unscaling the gradients of {type(optimizer).__name__}")
         record = self._reconcile(optimizer, aliases)
         self._refuse_mixed_scales(optimizer, record)
+        self._start_afresh_if_zeroed_since_an_update(optimizer, record)
         if record.stage is not GradientStage.READY:
             return
         if self._torch.stage(optimizer) is GradientStage.STEPPED:  # the user updated after a step: a fresh cycle
@@ -517,13 +526,7 @@ class GradScalerRecipe:
         self._refuse_unscaled_accumulations(optimizer, f"`{type(optimizer).__name__}.step()`")
         record = self._reconcile(optimizer, aliases)
         self._refuse_mixed_scales(optimizer, record)
-        unscaled_before_an_update = (
-            record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates
-        )
-        if unscaled_before_an_update and not _holds_live_gradients(optimizer):
-            # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh cycle
-            self._torch.forget(optimizer)
-            record.stage = GradientStage.READY
+        self._start_afresh_if_zeroed_since_an_update(optimizer, record)
         if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
             raise RuntimeError(
                 f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
@@ -659,12 +662,21 @@ class GradScalerRecipe:
         self._watched.clear()
         self._unscaled_accumulations.clear()
 
+    def _start_afresh_if_zeroed_since_an_update(self, optimizer: Any, record: _OptimizerRecord) -> None:
+        """Gradients unscaled before the last update and zeroed since (``zero_grad(set_to_none=False)``): nothing
+        unscaled remains, so the optimizer starts a fresh step cycle, as torch's scaler does after its update."""
+        unscaled_before_an_update = (
+            record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates
+        )
+        if unscaled_before_an_update and not _holds_live_gradients(optimizer):
+            self._torch.forget(optimizer)
+            record.stage = GradientStage.READY
+
     def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:
         if not record.mixed_scales:
             return
         if not _holds_live_gradients(optimizer):  # zeroed since: nothing mixed remains, a fresh cycle
-            self._torch.retire(optimizer)
-            record.stage, record.mixed_scales = GradientStage.READY, False
+            self._restart_step_cycle(optimizer)
             return
         raise RuntimeError(
             f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or `scaler.unscale_`) but"
@@ -789,8 +801,17 @@ def _accumulate_grad_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", param: Te
         recipe._unscaled_accumulations[id(param)] = param
 
 
-def _mixed_scales_hook(record: _OptimizerRecord, param: Tensor) -> None:
-    record.mixed_scales = True
+def _unscaled_reached_hook(
+    recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Any, cleared: bool, param: Tensor
+) -> None:
+    recipe = recipe_ref()
+    record = None if recipe is None else recipe._records.get(optimizer)
+    if record is None or record.stage is not GradientStage.UNSCALED:
+        return  # restarted by an earlier parameter of this backward
+    if cleared:
+        recipe._restart_step_cycle(optimizer)
+    else:
+        record.mixed_scales = True
 
 
 def _raw_step_pre_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Optimizer, *_: Any) -> None:
