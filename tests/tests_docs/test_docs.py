@@ -266,3 +266,6 @@ def test_docs_patches_are_well_formed() -> None:
     for api in ("fabric.training_iteration()", "step_was_skipped", "error_if_nonfinite=True", "fabric.backward(loss)"):
         assert api in fabric_precision, api
     assert '``"MixedPrecision"``' in "".join(added["docs/source-fabric/guide/checkpoint/checkpoint.rst"])
+    # 0007: the callback the wheel adds is in the API reference and in the list of built-in callbacks
+    for page in ("api_references.rst", "extensions/callbacks.rst"):
+        assert "    LossScaleMonitor\n" in added[f"docs/source-pytorch/{page}"], page
