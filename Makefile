@@ -26,9 +26,10 @@ UPSTREAM ?=
 BRANCH ?=
 REF ?= 2.6.6
 UPSTREAM_TEST_ARGS ?=
+FORCE ?=
 
 SERIES_TESTS ?= all
-.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-description upstream-test tree tree-standalone export wheel clean
+.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-stack pr-description upstream-test tree tree-standalone export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +94,13 @@ bench:
 pr:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
 	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+
+## pr-stack: the stack of small upstream PRs (tools/upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
+##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
+##   build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
+pr-stack:
+	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [FORCE=1]" >&2; exit 2; }
+	$(PYTHON) tools/upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
 
 ## series-check: the series reviewable one concern at a time: every file claimed by its patch, no patch rewriting an
 ##   earlier one (churn < 5%), the recorded master resolutions following the series, and every prefix building,

@@ -1,0 +1,257 @@
+"""tools/upstream/pr_stack.py (``make pr-stack``): one branch per folder of the PR stack, each on the base alone.
+
+Each test builds a throwaway git repository in ``tmp_path`` as the "upstream" (a module, a test file, a docs page) and
+a stack folder of toy PRs whose ``changes.patch`` is a real ``git diff`` against it, and runs the script in a
+subprocess as ``make pr-stack`` does; no network. The last tests check the repository's real stack folders.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "upstream" / "pr_stack.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import pr_stack  # noqa: E402
+
+DESCRIPTION = """\
+## What does this PR do?
+
+Fixes the widget so that it {what}.
+Second line of the first paragraph.
+
+Fixes {closes}
+
+## Evidence
+
+Measured before and after.
+"""
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Path:
+    """A tiny upstream: master with a module, a test file and a docs page, plus an untracked file of the user's."""
+    clone = tmp_path / "upstream"
+    clone.mkdir()
+    git(clone, "init", "-q", "-b", "master")
+    git(clone, "config", "user.name", "Upstream Maintainer")
+    git(clone, "config", "user.email", "maintainer@example.com")
+    (clone / "src" / "pkg").mkdir(parents=True)
+    (clone / "src" / "pkg" / "widget.py").write_text("def widget():\n    return 1\n")
+    (clone / "tests" / "tests_pytorch").mkdir(parents=True)
+    (clone / "tests" / "tests_pytorch" / "test_widget.py").write_text("def test_widget():\n    assert True\n")
+    (clone / "docs").mkdir()
+    (clone / "docs" / "widget.rst").write_text("Widget\n======\n")
+    git(clone, "add", "-A")
+    git(clone, "commit", "-q", "-m", "base")
+    (clone / "notes.txt").write_text("the maintainer's own untracked file\n")
+    return clone
+
+
+def base_of(clone: Path) -> str:
+    return git(clone, "rev-parse", "master").strip()
+
+
+def diff_of(clone: Path, edits: dict[str, str]) -> str:
+    """``git diff --binary`` of ``edits`` (path -> new content) against master, made in a scratch clone."""
+    scratch = clone.parent / f"scratch-{len(list(clone.parent.iterdir()))}"
+    subprocess.run(["git", "clone", "-q", str(clone), str(scratch)], check=True)
+    for path, text in edits.items():
+        (scratch / path).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / path).write_text(text)
+    git(scratch, "add", "-A")
+    return git(scratch, "diff", "--cached", "--binary")
+
+
+def add_pr(stack: Path, folder: str, patch: str, *, title: str = "Fix the widget", closes: tuple[str, ...] = ("#101",),
+           description: str | None = None) -> Path:
+    pr = stack / folder
+    pr.mkdir(parents=True)
+    slug = folder.split("-", 1)[1]
+    closes_toml = ", ".join(f'"{c}"' for c in closes)
+    (pr / "pr.toml").write_text(f'branch = "amp/{slug}"\ntitle = "{title}"\ncloses = [{closes_toml}]\n'
+                                'touches_tests = ["tests/tests_pytorch/test_widget.py"]\n')
+    (pr / "changes.patch").write_text(patch)
+    (pr / "description.md").write_text(description or DESCRIPTION.format(what=slug, closes=" ".join(closes)))
+    return pr
+
+
+def toy_stack(clone: Path, stack: Path) -> None:
+    add_pr(stack, "01-widget-returns-two", diff_of(clone, {
+        "src/pkg/widget.py": "def widget():\n    return 2\n",
+        "tests/tests_pytorch/test_widget.py": "def test_widget():\n    assert widget() == 2\n",
+    }), title="Return two from the widget")
+    add_pr(stack, "02-widget-docs", diff_of(clone, {
+        "docs/widget.rst": "Widget\n======\n\nIt returns a number.\n",
+        "tests/tests_pytorch/test_new.py": "def test_new():\n    pass\n",
+    }), title="Document the widget", closes=("#102", "#103"))
+
+
+def run_stack(clone: Path, stack: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--upstream", str(clone), "--stack", str(stack),
+                           "--base", base_of(clone), "--out", str(out), *extra], capture_output=True, text=True)
+
+
+def clone_state(clone: Path) -> tuple[str, str, str, str]:
+    return (git(clone, "symbolic-ref", "HEAD"), git(clone, "rev-parse", "HEAD"),
+            git(clone, "status", "--porcelain", "--untracked-files=all"), git(clone, "branch", "--list"))
+
+
+def test_one_branch_per_folder_each_on_the_base_alone(upstream, tmp_path):
+    toy_stack(upstream, tmp_path / "stack")
+    before = clone_state(upstream)
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    base = base_of(upstream)
+    for branch in ("amp/widget-returns-two", "amp/widget-docs"):
+        assert git(upstream, "rev-list", "--count", f"{base}..{branch}").strip() == "1"
+        assert git(upstream, "rev-parse", f"{branch}^").strip() == base  # on the base, not on the PR before it
+    assert git(upstream, "show", "amp/widget-returns-two:src/pkg/widget.py") == "def widget():\n    return 2\n"
+    assert git(upstream, "diff", "--name-only", base, "amp/widget-docs").split() == [
+        "docs/widget.rst", "tests/tests_pytorch/test_new.py"]
+    # the commit: subject = title, body = the description's first paragraph and one Fixes line per issue
+    message = git(upstream, "log", "-1", "--format=%B", "amp/widget-docs")
+    assert message == ("Document the widget\n\nFixes the widget so that it widget-docs.\nSecond line of the first"
+                       " paragraph.\n\nFixes #102\nFixes #103\n\n")
+    assert git(upstream, "log", "-1", "--format=%an", "amp/widget-docs").strip() == "Upstream Maintainer"
+    # the clone is as it was: the same branch checked out, the same status (the untracked file too)
+    after = clone_state(upstream)
+    assert after[:3] == before[:3]
+    assert (upstream / "src" / "pkg" / "widget.py").read_text() == "def widget():\n    return 1\n"
+
+
+def test_stack_json(upstream, tmp_path):
+    toy_stack(upstream, tmp_path / "stack")
+    assert run_stack(upstream, tmp_path / "stack", tmp_path / "out").returncode == 0
+    manifest = json.loads((tmp_path / "out" / "stack.json").read_text())
+    assert manifest["base"] == base_of(upstream)
+    first, second = manifest["prs"]
+    assert first == {
+        "branch": "amp/widget-returns-two", "title": "Return two from the widget", "closes": ["#101"],
+        "description": str(tmp_path / "stack" / "01-widget-returns-two" / "description.md"),
+        "lines": {"src": 2, "tests": 2, "docs": 0},
+        "commit": git(upstream, "rev-parse", "amp/widget-returns-two").strip(),
+    }
+    assert second["closes"] == ["#102", "#103"]
+    assert second["lines"] == {"src": 0, "tests": 2, "docs": 2}
+
+
+@pytest.mark.parametrize(("top", "path", "limit"), [
+    ("src", "src/pkg/big.py", 400), ("tests", "tests/tests_pytorch/test_big.py", 600), ("docs", "docs/big.rst", 300),
+])
+def test_a_limit_fails_naming_the_pr_and_the_limit(upstream, tmp_path, top, path, limit):
+    stack = tmp_path / "stack"
+    toy_stack(upstream, stack)
+    add_pr(stack, "03-too-big", diff_of(upstream, {path: "x = 1\n" * (limit + 1)}))
+    before = clone_state(upstream)
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert f"03-too-big: {limit + 1} changed lines under {top}/, over the limit of {limit}" in done.stderr
+    assert clone_state(upstream) == before  # checked before any branch is made
+    assert not (tmp_path / "out" / "stack.json").exists()
+
+
+def test_exactly_at_the_limit_passes(upstream, tmp_path):
+    add_pr(tmp_path / "stack", "01-at-the-limit", diff_of(upstream, {"src/pkg/big.py": "x = 1\n" * 400}))
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_patch_that_does_not_apply_leaves_the_clone_as_it_was(upstream, tmp_path):
+    stack = tmp_path / "stack"
+    toy_stack(upstream, stack)
+    # written against another base: the context does not match master
+    stale = diff_of(upstream, {"src/pkg/widget.py": "def widget():\n    return 2\n"}).replace("return 1", "return 7")
+    add_pr(stack, "03-stale", stale)
+    before = clone_state(upstream)
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert "03-stale: changes.patch does not apply to the base" in done.stderr
+    # the branches of 01 and 02, made before 03 failed, are gone again
+    assert clone_state(upstream) == before
+    assert not (tmp_path / "out" / "stack.json").exists()
+
+
+def test_an_existing_branch_is_refused_and_replaced_with_force(upstream, tmp_path):
+    toy_stack(upstream, tmp_path / "stack")
+    git(upstream, "branch", "amp/widget-docs")
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
+    assert done.returncode == 2
+    assert "02-widget-docs: branch amp/widget-docs exists" in done.stderr
+    assert "--force" in done.stderr
+    assert git(upstream, "branch", "--list", "amp/widget-returns-two") == ""
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out", "--force")
+    assert done.returncode == 0, done.stderr
+    assert git(upstream, "rev-list", "--count", "master..amp/widget-docs").strip() == "1"
+
+
+def test_a_replaced_branch_is_restored_on_failure(upstream, tmp_path):
+    stack = tmp_path / "stack"
+    toy_stack(upstream, stack)
+    git(upstream, "branch", "amp/widget-returns-two")
+    old = git(upstream, "rev-parse", "amp/widget-returns-two")
+    add_pr(stack, "03-stale", "diff --git a/src/pkg/gone.py b/src/pkg/gone.py\n--- a/src/pkg/gone.py\n"
+           "+++ b/src/pkg/gone.py\n@@ -1 +1 @@\n-a\n+b\n")
+    done = run_stack(upstream, stack, tmp_path / "out", "--force")
+    assert done.returncode == 1
+    assert git(upstream, "rev-parse", "amp/widget-returns-two") == old
+    assert git(upstream, "branch", "--list", "amp/widget-docs") == ""
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('branch = "amp/other"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = []\n', "expected 'amp/widget'"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["1"]\ntouches_tests = []\n', "closes = ['1']"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\n', "key 'touches_tests' missing"),
+    (f'branch = "amp/widget"\ntitle = "{"x" * 72}"\ncloses = ["#1"]\ntouches_tests = []\n', "under 72 characters"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = ["src/x.py"]\n', "not an upstream test"),
+])
+def test_pr_toml_is_checked(upstream, tmp_path, toml, message):
+    pr = add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 2\n"}))
+    (pr / "pr.toml").write_text(toml)
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
+    assert done.returncode == 1
+    assert "01-widget/pr.toml" in done.stderr
+    assert message in done.stderr
+
+
+@pytest.mark.parametrize(("words", "what"), [
+    ("This keeps promise 2.", "a promise of our design"),
+    ("As patch 0005 does.", "a patch number of our series"),
+    ("Our stock_pytorch_lightning copy.", "our test-only stock copies"),
+    ("Filed as issue 20.", "an issue of our own tracker"),
+    ("See #7 for more.", "an issue of our own tracker"),
+    ("The fork does it.", "the fork"),
+])
+def test_words_about_our_own_process_are_refused(words, what):
+    assert any(found.startswith(what) for found in pr_stack.own_words(words)), pr_stack.own_words(words)
+
+
+def test_upstream_words_pass():
+    text = "Fixes #21616. torch fixed it in pytorch#94060; see #5558 and Lightning-AI/pytorch-lightning#19803."
+    assert pr_stack.own_words(text) == []
+
+
+def test_test_files_do_not_import_across_suites(upstream, tmp_path):
+    add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {
+        "tests/tests_pytorch/test_cross.py": "from tests_fabric.helpers.runif import RunIf\n"}))
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
+    assert done.returncode == 1
+    assert "tests/tests_pytorch/test_cross.py imports tests_fabric" in done.stderr
+
+
+def test_the_repository_stack_is_well_formed():
+    """The real folders of tools/upstream/stack/: pr.toml, description, patch and limits (CI runs this)."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    folders = sorted(p.name for p in pr_stack.STACK.iterdir() if p.is_dir())
+    assert folders, "tools/upstream/stack/ holds no PR"
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == folders

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Build the stack of small upstream pull requests: one branch per folder of ``tools/upstream/stack/``.
+
+    python3 tools/upstream/pr_stack.py --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
+    python3 tools/upstream/pr_stack.py --check                              (the folders only; no clone, CI runs it)
+
+Each folder ``tools/upstream/stack/<NN>-<slug>/`` is one proposed PR, based on upstream master alone (none on another;
+NN only orders the listing), and holds:
+
+``pr.toml``         ``branch = "amp/<slug>"``, ``title`` (imperative, under 72 characters), ``closes = ["#NNNNN"]``
+                    (the open upstream issues it fixes; ``[]`` for a follow-up that no issue tracks), ``touches_tests``
+                    (the upstream test files the change could affect)
+``changes.patch``   ``git diff --binary`` of the whole PR against the base commit (source, tests, docs, CHANGELOGs)
+``description.md``  the PR text a maintainer reads
+
+For every folder, in order, the script creates the branch ``<branch>`` at the base commit with one commit: the patch
+applied with ``git apply --cached`` to a temporary index read from the base (the commit ``git apply --index`` would
+make, without touching the clone's work tree, index or HEAD), subject = title, body = the description's first
+paragraph and one ``Fixes #N`` line per closed issue. Before any branch is made, every folder is checked: its
+``pr.toml`` keys, its description (no words about this repository's own process), and the limits per PR (changed
+lines, added plus removed: at most 400 under ``src/``, 600 under ``tests/``, 300 under ``docs/``); a failure names the
+PR and the limit. A branch that exists already is refused (``--force`` replaces it). On any failure the branches this
+run created are deleted and replaced ones restored: the clone is left exactly as it was. Last, the manifest
+``build/pr-stack/stack.json``: ``{"base": ..., "prs": [{"branch", "title", "closes", "description", "lines",
+"commit"}]}``.
+
+Exit status: 0 built (or, with ``--check``, the folders are well formed), 1 a folder is not (or its patch does not
+apply), 2 bad usage or a clone that cannot be used. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _series import HERE, REPO, Failure, git  # noqa: E402
+from make_pr import identity_env  # noqa: E402
+
+#: upstream master at the time of writing: every PR of the stack is a diff against it
+BASE = "7f0c3436cd3f6ad3753125672024fc415cbcb414"
+STACK = HERE / "stack"
+OUT = REPO / "build" / "pr-stack"
+LIMITS = {"src": 400, "tests": 600, "docs": 300}
+KEYS = {"branch": str, "title": str, "closes": list, "touches_tests": list}
+TITLE_MAX = 72
+_FOLDER = re.compile(r"^(\d\d)-([a-z0-9]+(?:-[a-z0-9]+)*)$")
+_ISSUE = re.compile(r"^#\d+$")
+# words about this repository's own process, which mean nothing to an upstream reviewer
+_OWN_WORDS = {
+    "a promise of our design": re.compile(r"\bpromises?\b", re.I),
+    "a patch number of our series": re.compile(r"\bpatch(?:es)?[ /]?0\d{3}\b|\b0\d{3}-[a-z]", re.I),
+    "our test-only stock copies": re.compile(r"\bstock_|\bstock copies\b", re.I),
+    "an issue of our own tracker": re.compile(r"\bissues? \d{1,2}\b|(?<![\w/#])#\d{1,2}\b", re.I),
+    "the fork": re.compile(r"\bthe fork\b|\bfork's\b|\blightning-amp\b", re.I),
+}
+
+
+class StackError(Failure):
+    """A folder of the stack is not well formed, breaks a limit or does not apply (exit 1)."""
+
+
+@dataclass
+class PR:
+    folder: Path
+    branch: str
+    title: str
+    closes: list[str]
+    touches_tests: list[str]
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    @property
+    def patch(self) -> Path:
+        return self.folder / "changes.patch"
+
+    @property
+    def description(self) -> Path:
+        return self.folder / "description.md"
+
+    def message(self) -> str:
+        fixes = "\n".join(f"Fixes {issue}" for issue in self.closes)
+        paragraph = first_paragraph(self.description.read_text(encoding="utf-8"))
+        return "\n\n".join(part for part in (self.title, paragraph, fixes) if part) + "\n"
+
+
+def first_paragraph(markdown: str) -> str:
+    """The first block of text lines that is not a heading or an HTML comment."""
+    block: list[str] = []
+    for line in markdown.splitlines():
+        text = line.strip()
+        if not text:
+            if block:
+                break
+            continue
+        if not block and (text.startswith("#") or text.startswith("<!--")):
+            continue
+        block.append(text)
+    return "\n".join(block)
+
+
+def changed_lines(patch_text: str) -> dict[str, int]:
+    """Added plus removed lines of a unified diff, per top folder of the file they change (binary files count 0)."""
+    per_top: dict[str, int] = {}
+    top = ""
+    in_hunk = False
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[-1]
+            top = path.split("/", 1)[0]
+            in_hunk = False
+        elif line.startswith("@@"):
+            in_hunk = True
+        elif in_hunk and line[:1] in ("+", "-"):
+            per_top[top] = per_top.get(top, 0) + 1
+    return {name: per_top.get(name, 0) for name in LIMITS}
+
+
+def added_lines(patch_text: str) -> dict[str, list[str]]:
+    """The lines a diff adds, per file it changes."""
+    added: dict[str, list[str]] = {}
+    path = ""
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[-1]
+        elif line.startswith("+") and not line.startswith("+++ "):
+            added.setdefault(path, []).append(line[1:])
+    return added
+
+
+def own_words(text: str) -> list[str]:
+    """What ``text`` says about this repository's own process, as "<what>: '<words>'"."""
+    return [f"{what}: {match.group(0)!r}" for what, pattern in _OWN_WORDS.items() for match in pattern.finditer(text)]
+
+
+def read_pr(folder: Path) -> PR:
+    """A stack folder's pr.toml, checked; raises StackError naming the folder and what is wrong."""
+    match = _FOLDER.match(folder.name)
+    if not match:
+        raise StackError(f"{folder.name}: a stack folder is named <NN>-<slug> (e.g. 01-stale-autocast-cache)")
+    missing = [name for name in ("pr.toml", "changes.patch", "description.md") if not (folder / name).is_file()]
+    if missing:
+        raise StackError(f"{folder.name}: missing {', '.join(missing)}")
+    try:
+        meta = tomllib.loads((folder / "pr.toml").read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise StackError(f"{folder.name}/pr.toml: not valid TOML ({err})") from err
+    problems = [f"key {key!r} missing or not a {kind.__name__}" for key, kind in KEYS.items()
+                if not isinstance(meta.get(key), kind)]
+    problems += [f"unknown key {key!r} (the keys are {', '.join(KEYS)})" for key in meta if key not in KEYS]
+    if problems:
+        raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
+    slug = match.group(2)
+    if meta["branch"] != f"amp/{slug}":
+        problems.append(f"branch = {meta['branch']!r}, expected 'amp/{slug}' (from the folder's name)")
+    if not meta["title"].strip() or len(meta["title"]) >= TITLE_MAX or "\n" in meta["title"]:
+        problems.append(f"title must be one line under {TITLE_MAX} characters (has {len(meta['title'])})")
+    if not all(isinstance(i, str) and _ISSUE.match(i) for i in meta["closes"]):
+        problems.append(f"closes = {meta['closes']!r}: a list of upstream issues, e.g. [\"#19803\"] ([]: none open)")
+    for test in meta["touches_tests"]:
+        if not (isinstance(test, str) and re.match(r"^tests/tests_(pytorch|fabric)/.+\.py$", test)):
+            problems.append(f"touches_tests: {test!r} is not an upstream test file (tests/tests_pytorch/....py)")
+    if problems:
+        raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
+    return PR(folder, meta["branch"], meta["title"], list(meta["closes"]), list(meta["touches_tests"]))
+
+
+def check_pr(pr: PR) -> dict[str, int]:
+    """The folder's description, patch and limits; returns the changed lines per limit."""
+    problems = []
+    description = pr.description.read_text(encoding="utf-8")
+    problems += [f"description.md names {words}" for words in own_words(description)]
+    if not first_paragraph(description):
+        problems.append("description.md has no paragraph of text (the commit body)")
+    problems += [f"description.md does not say 'Fixes {issue}'" for issue in pr.closes
+                 if not re.search(rf"^.*\bFixes\b.*{issue}\b", description, re.M | re.I)]
+    patch_text = pr.patch.read_text(encoding="utf-8")
+    if "diff --git a/" not in patch_text:
+        problems.append("changes.patch is not a `git diff` with a/ b/ prefixes")
+    for path, lines in added_lines(patch_text).items():
+        text = "\n".join(lines)
+        problems += [f"changes.patch: {path} adds {words}" for words in own_words(text)]
+        for suite, other in (("tests/tests_pytorch/", "tests_fabric"), ("tests/tests_fabric/", "tests_pytorch")):
+            if path.startswith(suite) and re.search(rf"^\s*(from|import)\s+{other}\b", text, re.M):
+                problems.append(f"changes.patch: {path} imports {other} (no imports across test suites)")
+    lines = changed_lines(patch_text)
+    problems += [f"{lines[top]} changed lines under {top}/, over the limit of {limit}" for top, limit in LIMITS.items()
+                 if lines[top] > limit]
+    if problems:
+        raise StackError(f"{pr.name}: " + "; ".join(problems))
+    return lines
+
+
+def read_stack(stack: Path) -> list[PR]:
+    folders = sorted(p for p in stack.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))) \
+        if stack.is_dir() else []
+    if not folders:
+        raise StackError(f"{stack} holds no PR folder (<NN>-<slug>/)")
+    prs = [read_pr(folder) for folder in folders]
+    seen: dict[str, str] = {}
+    for pr in prs:
+        if pr.branch in seen:
+            raise StackError(f"{pr.name}: branch {pr.branch} is also {seen[pr.branch]}'s")
+        seen[pr.branch] = pr.name
+    return prs
+
+
+def clone_state(checkout: Path) -> tuple[str, str, str]:
+    """What must be the same after the run: HEAD (the branch or commit checked out), its commit, the status."""
+    head = git(checkout, "symbolic-ref", "-q", "HEAD", check=False).stdout.strip()
+    commit = git(checkout, "rev-parse", "--verify", "-q", "HEAD", check=False).stdout.strip()
+    status = git(checkout, "status", "--porcelain", "--untracked-files=all").stdout
+    return head, commit, status
+
+
+def build_branch(checkout: Path, base: str, pr: PR, env: dict[str, str]) -> str:
+    """The PR's one commit on ``base``, made in a temporary index; returns its sha (no ref is written here)."""
+    with tempfile.TemporaryDirectory(prefix="pr-stack-") as tmp:
+        index_env = {**env, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(checkout, "read-tree", base, env=index_env)
+        applied = git(checkout, "apply", "--cached", "--whitespace=nowarn", str(pr.patch.resolve()), check=False,
+                      env=index_env)
+        if applied.returncode != 0:
+            raise StackError(f"{pr.name}: changes.patch does not apply to the base {base[:10]}:\n"
+                             f"{applied.stderr.strip()}\nrewrite it as `git diff --binary {base[:10]}` of the PR")
+        tree = git(checkout, "write-tree", "--missing-ok", env=index_env).stdout.strip()
+    done = subprocess.run(["git", "-C", str(checkout), "commit-tree", tree, "-p", base, "-F", "-"],
+                          input=pr.message(), capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise Failure(f"{pr.name}: `git commit-tree` failed in {checkout}:\n{done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def pr_stack(checkout: Path, stack: Path = STACK, base: str = BASE, out: Path = OUT, force: bool = False) -> dict:
+    """Build every branch of the stack in ``checkout`` and write ``out/stack.json``; returns the manifest."""
+    if git(checkout, "rev-parse", "--is-inside-work-tree", check=False).stdout.strip() != "true":
+        raise Failure(f"{checkout} is not a git work tree (a clone of upstream Lightning)")
+    commit = git(checkout, "rev-parse", "--verify", "-q", f"{base}^{{commit}}", check=False).stdout.strip()
+    if not commit:
+        raise Failure(f"{checkout} has no commit {base}: fetch upstream master into the clone first")
+    prs = read_stack(stack)
+    lines = {pr.name: check_pr(pr) for pr in prs}
+    before = clone_state(checkout)
+    checked_out = before[0].removeprefix("refs/heads/")
+    previous: dict[str, str] = {}  # branch -> its commit before this run ("" if it is new)
+    for pr in prs:
+        old = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{pr.branch}", check=False).stdout.strip()
+        if old and not force:
+            raise Failure(f"{pr.name}: branch {pr.branch} exists in {checkout}; delete it, or pass --force"
+                          " (make pr-stack FORCE=1) to replace it")
+        if old and pr.branch == checked_out:
+            raise Failure(f"{pr.name}: branch {pr.branch} is checked out in {checkout}: check out another first")
+    env = identity_env(checkout)
+    manifest = {"base": commit, "prs": []}
+    try:
+        for pr in prs:
+            sha = build_branch(checkout, commit, pr, env)
+            previous[pr.branch] = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{pr.branch}",
+                                      check=False).stdout.strip()
+            git(checkout, "update-ref", "-m", "pr_stack", f"refs/heads/{pr.branch}", sha)
+            manifest["prs"].append({
+                "branch": pr.branch, "title": pr.title, "closes": pr.closes,
+                "description": pr.description.resolve().relative_to(REPO).as_posix()
+                if pr.description.resolve().is_relative_to(REPO) else str(pr.description),
+                "lines": lines[pr.name], "commit": sha,
+            })
+    except Failure:
+        for branch, old in previous.items():
+            if old:
+                git(checkout, "update-ref", f"refs/heads/{branch}", old, check=False)
+            else:
+                git(checkout, "update-ref", "-d", f"refs/heads/{branch}", check=False)
+        raise
+    after = clone_state(checkout)
+    if after != before:
+        raise Failure(f"{checkout} changed during the run (HEAD or status): {before[:2]} -> {after[:2]}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stack.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--upstream", type=Path, help="a git work tree of upstream Lightning (holding --base)")
+    parser.add_argument("--check", action="store_true", help="check the stack's folders only (no clone needed)")
+    parser.add_argument("--stack", type=Path, default=STACK, help="the folder of PR folders (default: %(default)s)")
+    parser.add_argument("--base", default=BASE, help="the upstream commit every PR is based on (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where stack.json goes (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace branches of the stack that exist already")
+    args = parser.parse_args(argv)
+    if not args.check and args.upstream is None:
+        parser.error("--upstream is required (or --check)")
+    try:
+        if args.check:
+            for pr in read_stack(args.stack):
+                sizes = check_pr(pr)
+                print(f"{pr.name}: {pr.branch}, src {sizes['src']}, tests {sizes['tests']}, docs {sizes['docs']}")
+            return 0
+        manifest = pr_stack(args.upstream.expanduser().resolve(), args.stack, args.base, args.out, args.force)
+    except StackError as err:
+        print(f"pr_stack: {err}", file=sys.stderr)
+        return 1
+    except Failure as err:
+        print(f"pr_stack: {err}", file=sys.stderr)
+        return 2
+    for pr in manifest["prs"]:
+        sizes = ", ".join(f"{top} {n}" for top, n in pr["lines"].items())
+        print(f"{pr['branch']}: {pr['commit'][:10]} {pr['title']} ({sizes})")
+    print(f"pr_stack: {len(manifest['prs'])} branches on {manifest['base'][:10]} in {args.upstream};"
+          f" manifest {args.out / 'stack.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
