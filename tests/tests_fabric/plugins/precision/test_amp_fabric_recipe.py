@@ -626,9 +626,9 @@ def test_a_wrong_recipe_is_caught():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _recipe_loop(cell: Cell) -> Run:
+def _recipe_loop(cell: Cell, first_step_only_at: int = -1) -> Run:
     """PyTorch's recipe over the batches: one backward, clipping and a step per optimizer (one per linear layer when
-    there are two), one update per iteration."""
+    there are two; only the first at batch ``first_step_only_at``), one update per iteration."""
     net = make_net()
     groups = [net[0].parameters(), net[2].parameters()] if cell.two_optimizers else [net.parameters()]
     opts = [make_optimizer("SGD-momentum", params, False) for params in groups]
@@ -641,7 +641,7 @@ def _recipe_loop(cell: Cell) -> Run:
             loss = torch.nn.functional.mse_loss(net(x), y)
         scaler.scale(inject_inf(loss, i, cell)).backward()
         run.scales.append(scaler.get_scale())
-        for opt in opts:
+        for opt in opts[:1] if i == first_step_only_at else opts:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], CLIP_NORM)
             scaler.step(opt)
@@ -694,21 +694,23 @@ def test_a_closure_passed_to_step_raises_as_torch_does():
 
 
 def test_an_exception_caught_inside_training_iteration_ends_the_iteration():
-    """An exception raised (and caught by the user) in the body of ``fabric.training_iteration()`` ends the iteration:
-    its update is applied, the scale backs off on a later inf again, and torch keeps no state per optimizer across
-    iterations. Training goes on exactly as the recipe's."""
+    """An exception raised (and caught by the user) in the body of ``fabric.training_iteration()``, after the first
+    optimizer's step, ends the iteration: its update is applied, the scale backs off on a later inf again, and torch
+    keeps no state per optimizer across iterations. Training goes on exactly as the recipe's."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(3,))
     loop = FabricLoop(cell)
+
+    def fail() -> None:
+        raise ValueError("the user's own error, after the first step")
+
     for i in range(N_BATCHES):
         try:
             with loop.fabric.training_iteration():
-                _fabric_iteration(loop, i)
-                if i == 1:
-                    raise ValueError("the user's own error, after the steps")
+                _fabric_iteration(loop, i, between_steps=fail if i == 1 else lambda: None)
         except ValueError:
             pass
         assert len(loop.scaler._per_optimizer_states) == 0
-    expected = _recipe_loop(cell)
+    expected = _recipe_loop(cell, first_step_only_at=1)
     assert any(b < a for a, b in zip(expected.scales, expected.scales[1:]))  # the inf batch backed the scale off
     _assert_follows(loop, expected)
 
@@ -781,3 +783,19 @@ def test_the_scale_after_the_step_says_whether_it_was_skipped():
         opt.step()
         skipped.append(loop.scaler.get_scale() < scale)
     assert skipped == [i == INF_BATCH for i in range(N_BATCHES)]
+
+
+def test_a_bare_scaler_in_the_saved_state_holds_the_owed_update(tmp_path):
+    """``fabric.save(path, {..., "scaler": scaler})`` while an update is owed (the second optimizer did not step, so it
+    waits for the next backward): the saved scaler holds the update, and the live scaler is left alone."""
+    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(0,))
+    loop = FabricLoop(cell)
+    x, y = make_batches()[0]
+    loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), 0, cell))
+    loop.opts[0].step()
+    live = loop.scaler.state_dict()
+    loop.save(tmp_path / "fabric.ckpt", scaler_entry="scaler")
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)["scaler"]
+    assert saved["scale"] == live["scale"] / 2  # the owed back-off
+    assert saved == loop.precision_plugin.state_dict()
+    assert loop.scaler.state_dict() == live

@@ -207,20 +207,37 @@ class TinyModule(LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=2)
 
 
-class RaisesAfterTheStep(TwoStepsPerBatch):
+class TwoOptimizers(TwoStepsPerBatch):
+    """A layer and a head, each with its own optimizer: the update is due only once both stepped, or at the batch's
+    end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def loss(self, batch):
+        return self.head(self.layer(batch)).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.layer.parameters(), lr=0.01), torch.optim.SGD(self.head.parameters(), lr=0.01)]
+
+
+class RaisesAfterTheFirstStep(TwoOptimizers):
     def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        self.manual_backward(self.layer(batch).float().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
+        first, second = self.optimizers()
+        self.manual_backward(self.loss(batch))
+        first.step()
         if batch_idx == 1:
-            raise ValueError("the user's own error, after the step")
+            raise ValueError("the user's own error, after the first step")
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
 
 
 def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
-    """An exception after ``opt.step()``, caught around ``fit``, then ``save_checkpoint``: the iteration's update is
-    applied when the exception leaves the batch, so the checkpoint holds the scale the run goes on with (stock updates
-    right after the step: the same)."""
+    """An exception after the first optimizer's step, caught around ``fit``, then ``save_checkpoint``: the iteration's
+    update is applied when the exception leaves the batch, so the checkpoint holds the scale the run goes on with
+    (stock updates right after each step: the same here)."""
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=1,
@@ -231,7 +248,7 @@ def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
         enable_model_summary=False,
     )
     with pytest.raises(ValueError, match="the user's own error"):
-        trainer.fit(RaisesAfterTheStep())
+        trainer.fit(RaisesAfterTheFirstStep())
     plugin = trainer.precision_plugin
     assert plugin.scaler.get_scale() == 2.0**6  # two batches stepped, two updates
     assert not plugin._recipe.update_owed
@@ -240,14 +257,15 @@ def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
     assert torch.load(checkpoint, weights_only=False)["MixedPrecision"] == plugin.scaler.state_dict()
 
 
-class StepsAtEpochEnd(TwoStepsPerBatch):
-    """Full-epoch accumulation: every batch's backward accumulates, the one step is in ``on_train_epoch_end``."""
+class StepsAtEpochEnd(TwoOptimizers):
+    """Full-epoch accumulation: every batch's backward accumulates, the one step is in ``on_train_epoch_end``; the
+    head's optimizer does not step there, so the update is not due right after that step."""
 
     def training_step(self, batch, batch_idx):
-        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.manual_backward(self.loss(batch))
 
     def on_train_epoch_end(self):
-        opt = self.optimizers()
+        opt, _ = self.optimizers()
         opt.step()
         opt.zero_grad()
 
