@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests_fabric.helpers import amp_fabric
 from tests_fabric.helpers.amp_fabric import N_BATCHES, Cell, FabricLoop, assert_same_run, recipe_run
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
+from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 
 from lightning.fabric import Fabric
 from lightning.fabric import connector as fabric_connector
@@ -26,7 +26,7 @@ def cpu_16_mixed_fabric(*_, **__) -> Fabric:
     return Fabric(accelerator="cpu", devices=1, precision="16-mixed")
 
 
-def default_cpu_scaler(enabled: bool = True, **_) -> torch.amp.GradScaler:
+def default_cpu_scaler(enabled: bool = True, **_) -> GradScaler:
     return torch.amp.GradScaler("cpu", enabled=enabled)
 
 
