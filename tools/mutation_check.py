@@ -363,8 +363,8 @@ MUTATIONS = (
         "every step goes through the scaler's `unscale_`, whatever the gradients hold (FSDP's all-reduces pair,"
         " issue 21.4; the skip of a step whose clip found an inf, issue 21.15)",
         FABRIC_RECIPE,
-        "        if self._torch.has_scaled():\n            self.unscale(optimizer, required=False)\n",
-        "",
+        "        if self._torch.has_scaled() and not _handles_unscaling_itself(optimizer):\n",
+        "        if False:\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "through_the_scalers_unscale or recorded_by_clipping"),
     ),
     Mutation(

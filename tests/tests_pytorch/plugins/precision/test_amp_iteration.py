@@ -44,8 +44,8 @@ def _plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=cpu_grad_scaler(init_scale=2.0**4, growth_interval=1))
 
 
-def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
-    trainer = Trainer(
+def _quiet_trainer(**trainer_kwargs) -> Trainer:
+    return Trainer(
         accelerator="cpu",
         max_epochs=1,
         plugins=[_plugin()],
@@ -55,6 +55,10 @@ def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
         enable_model_summary=False,
         **trainer_kwargs,
     )
+
+
+def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
+    trainer = _quiet_trainer(**trainer_kwargs)
     trainer.fit(model)
     return trainer
 
@@ -238,15 +242,7 @@ def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
     """An exception after the first optimizer's step, caught around ``fit``, then ``save_checkpoint``: the iteration's
     update is applied when the exception leaves the batch, so the checkpoint holds the scale the run goes on with
     (stock updates right after each step: the same here)."""
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[_plugin()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _quiet_trainer()
     with pytest.raises(ValueError, match="the user's own error"):
         trainer.fit(RaisesAfterTheFirstStep())
     plugin = trainer.precision_plugin

@@ -498,6 +498,9 @@ class GradScalerRecipe:
         record = self._reconcile(optimizer, aliases)
         self._refuse_mixed_scales(optimizer, record)
         self._start_afresh_if_zeroed_since_an_update(optimizer, record)
+        self._unscale_if_ready(optimizer, record)
+
+    def _unscale_if_ready(self, optimizer: Any, record: _OptimizerRecord) -> None:
         if record.stage is not GradientStage.READY:
             return
         if self._torch.stage(optimizer) is GradientStage.STEPPED:  # the user updated after a step: a fresh cycle
@@ -540,8 +543,8 @@ class GradScalerRecipe:
             record.stage = GradientStage.READY
         # always through the scaler, whatever the gradients hold: FSDP's `ShardedGradScaler.unscale_` all-reduces the
         # inf check, so every rank must unscale, in the same order, even one whose shard has no gradients
-        if self._torch.has_scaled():
-            self.unscale(optimizer, required=False)
+        if self._torch.has_scaled() and not _handles_unscaling_itself(optimizer):
+            self._unscale_if_ready(optimizer, record)  # the checks of `unscale` ran above
         if self._torch.found_inf(optimizer) is None and not _handles_unscaling_itself(optimizer):
             # no gradient to step on (none reached this optimizer): torch's scaler would fail with "No inf checks were
             # recorded for this optimizer", so the optimizer's own step is taken without it; it cannot overflow
@@ -669,8 +672,7 @@ class GradScalerRecipe:
             record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates
         )
         if unscaled_before_an_update and not _holds_live_gradients(optimizer):
-            self._torch.forget(optimizer)
-            record.stage = GradientStage.READY
+            self._restart_step_cycle(optimizer)  # torch's update already dropped its state
 
     def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:
         if not record.mixed_scales:
