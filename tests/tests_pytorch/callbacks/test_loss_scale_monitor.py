@@ -276,3 +276,28 @@ def test_a_second_fit_on_the_same_trainer_counts_the_checkpoints_skips_once(tmp_
     fit.fit_loop.max_epochs = 2
     fit.fit(model, Positions(), ckpt_path="last")
     assert monitor.state_dict() == {"skipped_steps": 2 * len(FORCED)}
+
+
+class LearningRateModel(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 1e-2
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
+
+
+def test_the_skips_of_lr_find_do_not_carry_into_the_fit_that_follows():
+    """``Tuner.lr_find`` trains (and skips steps) on the same Trainer before the fit: the fit's count starts at zero,
+    and its scale at the one lr_find restored."""
+    from lightning.pytorch.tuner import Tuner
+
+    logger, monitor = CaptureLogger(), LossScaleMonitor(log_every_n_steps=1)
+    fit = trainer(logger=logger, callbacks=[monitor], log_every_n_steps=1, max_epochs=1)
+    model = LearningRateModel()
+    Tuner(fit).lr_find(model, train_dataloaders=Positions(), num_training=N_BATCHES, update_attr=False)
+    assert int(fit.precision_plugin._recipe.skipped_steps) >= len(FORCED)  # lr_find's own skips
+    logger.calls.clear()
+    fit.fit(model, Positions())
+    assert logger.scale_log() == expected_log(range(N_BATCHES))
+    assert monitor.state_dict() == {"skipped_steps": len(FORCED)}

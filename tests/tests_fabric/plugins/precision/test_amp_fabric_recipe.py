@@ -225,7 +225,7 @@ def test_teardown_removes_the_watch():
     assert recipe.watched == 0
     x, y = make_batches()[0]
     torch.nn.functional.mse_loss(loop.model.module(x), y).backward()
-    assert recipe._unscaled_accumulations == {}
+    assert recipe._watch.accumulations == {}
 
 
 def _gradient_stepped(loop: "FabricLoop", step: Callable[[], Any]) -> float:

@@ -6,7 +6,14 @@ power-of-two scales, ``growth_interval=1``, injected infs, and compares paramete
 
 import copy
 import gc
+import json
+import os
 import random
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -15,7 +22,6 @@ from torch import nn
 
 from lightning.fabric.plugins.precision.amp_recipe import (
     WATCHED_UPDATES,
-    GradientStage,
     GradScalerRecipe,
     IterationPhase,
     _check_scaler_is_enabled,
@@ -157,7 +163,7 @@ def test_unscaled_then_cleared_is_not_live(set_to_none):
     recipe.unscale(opt)
     opt.zero_grad(set_to_none=set_to_none)
     recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
-    assert recipe._record(opt).stage is GradientStage.READY
+    assert recipe.stage(opt) is OptState.READY
 
 
 def test_an_inf_check_without_a_step_still_backs_the_scale_off():
@@ -372,10 +378,10 @@ def test_watch_holds_what_it_watches_weakly():
     recipe = GradScalerRecipe(_scaler())
     net, opt, _, _ = _twins()
     recipe.watch_unscaled_backward([opt])
-    assert len(recipe._watched) == 3  # the optimizer, the weight and the bias
+    assert recipe.watched == 3  # the optimizer, the weight and the bias
     del net, opt
     gc.collect()
-    assert len(recipe._watched) == 0
+    assert recipe.watched == 0
     net, opt, _, _ = _twins()
     recipe.watch_unscaled_backward([opt])
     _loss(net).backward()
@@ -479,7 +485,7 @@ def test_a_refused_backward_changes_nothing():
     grads = [p.grad.clone() for p in net.parameters()]
     with pytest.raises(RuntimeError, match="without the loss scale"):
         recipe.scale(_loss(net), optimizers=lambda: [opt])
-    assert recipe._record(opt).stage is GradientStage.STEPPED
+    assert recipe.stage(opt) is OptState.STEPPED
     assert recipe.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
 
@@ -507,7 +513,6 @@ def test_the_watch_ends_after_its_first_updates():
     assert recipe.watched == watched
 
 
-
 def test_the_skip_signal_survives_the_update():
     """torch's ``update()`` sums the inf checks of all optimizers into the first one, in place: an optimizer whose step
     was not skipped must not read as skipped after the update because another one's was (found by the random event
@@ -525,6 +530,72 @@ def test_the_skip_signal_survives_the_update():
     assert [recipe.step_was_skipped(opt) for opt in opts] == [False, True]
     recipe.iteration_end()
     assert int(recipe.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the_host(fused, monkeypatch):
+    """torch's scaler runs ``optimizer.step()`` only without an inf/NaN, so a step that ran was not skipped: telling so
+    reads nothing from the device (a step-interval scheduler asks after every step). A skipped step reads its inf
+    check once; a fused optimizer, which checks inf/NaN in its own kernel, always does."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=fused)
+    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    for inf in (False, True, False):
+        opt.zero_grad()
+        with recipe.backward():
+            recipe.scale(_loss(net, inf=inf), optimizers=lambda: [opt]).backward()
+        recipe.step(opt)
+        before = len(reads)
+        assert recipe.step_was_skipped(opt) is inf
+        assert len(reads) - before == (1 if fused or inf else 0)
+
+
+def test_a_load_consumes_the_owed_update():
+    """A step outside an iteration leaves its update owed; a load replaces the scale that update would change, so the
+    owed inf check must not reach the loaded scale at the next update."""
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    with recipe.backward():
+        recipe.scale(_loss(net, inf=True)).backward()
+    recipe.step(opt)  # skipped; the update is owed
+    state = recipe.state_dict(include_owed_update=False)
+    state["scale"], state["_growth_tracker"] = 2.0**5, 0
+    recipe.load_state_dict(state)
+    opt.zero_grad()
+    recipe.iteration_start()
+    with recipe.backward():
+        recipe.scale(_loss(net)).backward()
+    recipe.step(opt)
+    recipe.iteration_end()
+    assert recipe.scaler.get_scale() == 2.0**6  # grown from the loaded scale (growth_interval=1), not backed off
+
+
+def test_an_unscale_without_gradients_leaves_no_state_behind():
+    """Clipping on an iteration without backward unscales nothing and records no inf check; torch's scaler would then
+    refuse the next iteration's unscale. The recipe drops that empty entry at the iteration's end, and the next
+    iteration equals torch's recipe."""
+    net, opt, twin, twin_opt = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    for backward in (True, False, True):
+        recipe.iteration_start()
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        if backward:
+            with recipe.backward():
+                recipe.scale(_loss(net)).backward()
+            scaler.scale(_loss(twin)).backward()
+            scaler.unscale_(twin_opt)
+            scaler.step(twin_opt)
+            scaler.update()
+        recipe.unscale(opt)  # clipping
+        recipe.step(opt)
+        recipe.iteration_end()
+    assert _same(net, twin)
+    assert recipe.scaler.state_dict() == scaler.state_dict()
 
 
 def test_cleared_unscaled_gradients_keep_their_inf_check_until_a_backward_reaches_them():
@@ -545,7 +616,54 @@ def test_cleared_unscaled_gradients_keep_their_inf_check_until_a_backward_reache
     assert recipe.step_was_skipped(opts[0])
     with recipe.backward():
         recipe.scale(_loss(nets[0]) + _loss(nets[1]), optimizers=lambda: opts).backward()
-    assert recipe._record(opts[0]).stage is GradientStage.READY  # reached: a fresh cycle
+    assert recipe.stage(opts[0]) is OptState.READY  # reached: a fresh cycle
+
+
+def _sharded_rank(rank: int, port: int, out: str) -> None:
+    """One rank of :func:`test_a_rank_whose_shard_has_no_gradients_unscales_with_the_others`."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=url, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    net, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**4, growth_interval=1)
+    recipe = GradScalerRecipe(scaler, optimizers=lambda: [opt])
+    scales = []
+    for i in range(3):
+        recipe.iteration_start()
+        # the shard of rank 1 holds no parameter of `opt`: its loss reaches only `other`
+        loss = _loss(net, inf=i == 1) if rank == 0 else _loss(other)
+        with recipe.backward():
+            recipe.scale(loss).backward()
+        recipe.step(opt)
+        recipe.iteration_end()
+        opt.zero_grad()
+        other.zero_grad()
+        scales.append(recipe.scaler.get_scale())
+    Path(out).write_text(json.dumps(scales))
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_shard_has_no_gradients_unscales_with_the_others(tmp_path):
+    """``ShardedGradScaler.unscale_`` all-reduces the inf check, so every rank must unscale every optimizer, in the same
+    order, even a rank whose shard has no gradients for it: then the inf on one rank skips the step and backs the
+    scale off on both, and no all-reduce is left unpaired (a hang, then gloo's timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = str(Path(__file__).parents[3])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    ranks = [
+        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(out)], env=env)
+        for rank, out in enumerate(outs)
+    ]
+    assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
+    assert [json.loads(out.read_text()) for out in outs] == [[32.0, 16.0, 32.0]] * 2
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # random event sequences, the recipe and torch's scaler side by side
@@ -682,3 +800,7 @@ def test_random_event_sequences_follow_torchs_scaler(seed):
             twins.recipe.load_state_dict(state)
             twins.scaler.load_state_dict(state)
             twins.stale.clear()  # a load starts every optimizer afresh, on both sides
+
+
+if __name__ == "__main__":  # a rank of the sharded test, started by it
+    _sharded_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

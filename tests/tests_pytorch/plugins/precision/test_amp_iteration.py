@@ -1,6 +1,8 @@
 """The gradient scaler's per-iteration bookkeeping under ``MixedPrecision``: one update per training batch, after its
 last optimizer step, and never lost when the scaler's state is saved."""
 
+import copy
+
 import pytest
 import torch
 from tests_fabric.helpers.torch_features import cpu_grad_scaler
@@ -399,3 +401,64 @@ def test_a_second_step_cycle_in_a_batch_clips_unscaled_gradients():
     assert 0.01 < min(norms) < max(norms) < 10  # every clip clips, and unscaled gradients (the scale is 2**4 and up)
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+class TogglesTwoOptimizers(LightningModule):
+    """A GAN's manual optimization: each network clipped after its own backward, with ``toggle_optimizer``, then both
+    stepped. The generator's backward runs while the discriminator's gradients are unscaled, not yet stepped, and out
+    of its reach (toggled off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        self.toggle_optimizer(opt_d)
+        self.manual_backward(self.d(self.g(batch).detach()).float().pow(2).mean())
+        self.clip_gradients(opt_d, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(-self.d(self.g(batch)).float().mean())
+        self.clip_gradients(opt_g, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+        self.untoggle_optimizer(opt_g)
+        opt_d.step()
+        opt_g.step()
+        opt_d.zero_grad()
+        opt_g.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.d.parameters(), lr=0.1), torch.optim.SGD(self.g.parameters(), lr=0.1)]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), batch_size=2)
+
+
+def test_a_gan_that_clips_each_network_after_its_own_backward_equals_the_recipe():
+    model = TogglesTwoOptimizers()
+    g, d = copy.deepcopy(model.g), copy.deepcopy(model.d)
+    _fit_quietly(model)
+    opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
+    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    for batch in model.train_dataloader():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_d = d(g(batch).detach()).float().pow(2).mean()
+        scaler.scale(loss_d).backward()
+        scaler.unscale_(opt_d)
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 0.01)
+        d.requires_grad_(False)  # what toggle_optimizer(opt_g) does
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_g = -d(g(batch)).float().mean()
+        scaler.scale(loss_g).backward()
+        d.requires_grad_(True)
+        scaler.unscale_(opt_g)
+        torch.nn.utils.clip_grad_norm_(g.parameters(), 0.01)
+        scaler.step(opt_d)
+        scaler.step(opt_g)
+        scaler.update()
+        opt_d.zero_grad()
+        opt_g.zero_grad()
+    for ours, theirs in ((model.g, g), (model.d, d)):
+        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))

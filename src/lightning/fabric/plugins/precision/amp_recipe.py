@@ -20,14 +20,16 @@ and Fabric's precision plugins cannot drift apart.
 
 The state it models:
 
-- per optimizer, a :class:`GradientStage`: ``READY`` (its gradients, if any, are multiplied by the loss scale),
-  ``UNSCALED`` (true gradients, inf check recorded, not stepped yet), ``STEPPED`` (stepped or skipped this iteration);
+- per optimizer, torch's own ``OptState`` (``READY``: gradients, if any, multiplied by the loss scale; ``UNSCALED``:
+  true gradients, inf check recorded, not stepped yet; ``STEPPED``: stepped or skipped since the update), read from
+  the scaler, where it lasts until the next update; the recipe keeps only what torch does not (gradients unscaled
+  before an update, gradients that mix two scales, a step without the scaler);
 - per scaler, an :class:`IterationPhase`: ``INSIDE`` an iteration that a loop opened (the Trainer's training batch),
-  or ``OUTSIDE`` (Fabric's loop, a step in ``on_train_epoch_end``), which decides when the single update is due;
-- parameters whose gradients a backward *without* the scale accumulated (``loss.backward()`` in manual optimization),
-  when the caller asks to watch for them.
+  or ``OUTSIDE`` (Fabric's loop, a step in ``on_train_epoch_end``), which decides when the single update is due.
 
-:class:`_TorchScalerAdapter` is the only code that reads or edits torch's private per-optimizer scaler state.
+Two concerns have their own classes: :class:`_StepSkips` (whether a step was skipped, how many were) and
+:class:`_UnscaledBackwardWatch` (the misuse watch for backwards without the scale). :class:`_TorchScalerAdapter` is the
+only code that reads torch's private per-optimizer scaler state, and writes it in four named operations.
 """
 
 import enum
@@ -38,7 +40,7 @@ import weakref
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning_utilities.core.imports import compare_version
@@ -52,9 +54,9 @@ from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
 
 try:  # torch >= 2.3
-    from torch.amp.grad_scaler import OptState as _TorchOptState
+    from torch.amp.grad_scaler import OptState
 except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
-    from torch.cuda.amp.grad_scaler import OptState as _TorchOptState
+    from torch.cuda.amp.grad_scaler import OptState
 
 # Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
 _AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
@@ -93,16 +95,6 @@ def _takes_grad_scaler(step: Any) -> bool:
     return "grad_scaler" in inspect.signature(step).parameters
 
 
-def _refuse_lbfgs(optimizer: Any, error: type[Exception]) -> None:
-    """LBFGS cannot run under a gradient scaler; ``error`` is the type each package raised before."""
-    if isinstance(optimizer, LBFGS):
-        raise error(
-            "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
-            " several times per step and reads the gradients in between, which the scaler cannot unscale."
-            " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
-        )
-
-
 def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
     """Refuse a scaler that torch disabled: float16 gradients would then underflow silently, unscaled."""
     if scaler is None or scaler.is_enabled():
@@ -129,17 +121,6 @@ def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
     )
 
 
-class GradientStage(enum.Enum):
-    """Where an optimizer's gradients are in the recipe, in the current iteration."""
-
-    READY = "ready"
-    """Gradients, if any, are multiplied by the loss scale (or are zero): the next event is a backward or an unscale."""
-    UNSCALED = "unscaled"
-    """True gradients; their inf check is recorded. The optimizer must step before another scaled backward."""
-    STEPPED = "stepped"
-    """Stepped, or skipped for inf/NaN gradients, in this iteration. A new backward starts another step cycle."""
-
-
 class IterationPhase(enum.Enum):
     """Whether a loop declared the current training iteration open, which decides when the single update is due."""
 
@@ -151,80 +132,43 @@ class IterationPhase(enum.Enum):
     scale, so that re-running the iteration from it uses the scale that iteration had."""
 
 
-@dataclass
-class _OptimizerRecord:
-    stage: GradientStage = GradientStage.READY
-    # the inf check of the last step (None: no step yet, or a step with no gradients, which cannot be skipped)
-    last_found_inf: Optional[Tensor] = None
-    # which update the gradients were unscaled after: a later update changes the scale they were unscaled with
-    unscaled_at_update: int = -1
-    # a scaled backward reached its parameters after their unscale: the gradients mix two scales
-    mixed_scales: bool = False
-
-
-_STAGE_OF_TORCH = {
-    _TorchOptState.READY: GradientStage.READY,
-    _TorchOptState.UNSCALED: GradientStage.UNSCALED,
-    _TorchOptState.STEPPED: GradientStage.STEPPED,
-}
-
-
 class _TorchScalerAdapter:
-    """The only reader and editor of torch's private per-optimizer scaler state (``GradScaler._per_optimizer_states``).
+    """The only code that touches torch's private per-optimizer scaler state (``GradScaler._per_optimizer_states``).
 
     torch keeps, per ``id(optimizer)``, a ``"stage"`` (``OptState``) and ``"found_inf_per_device"`` (device -> tensor;
-    0-dim for ``GradScaler``, shape ``[1]`` for FSDP's ``ShardedGradScaler``), resets all of it in ``update()``, and
-    collects the update's inf checks from every entry. ``tests/tests_fabric/plugins/precision`` pins these behaviours on
-    every torch the fork supports.
+    0-dim for ``GradScaler``, shape ``[1]`` for FSDP's ``ShardedGradScaler``), clears all of it in ``update()``, and
+    collects the update's inf checks from every entry. It is read here, and written by four named operations only,
+    each for a case torch's public API cannot express (``tests/tests_fabric/plugins/precision`` pins the behaviour each
+    relies on, on every torch the fork supports):
+
+    - :meth:`adopt`: the user's ``scaler.unscale_(wrapper)`` is keyed by the wrapper's id; the entry moves to the
+      optimizer, or the step would unscale a second time;
+    - :meth:`set_aside`: an optimizer that starts another step cycle before the update (a critic stepped twice before
+      the generator), or is collected (its id is handed to the next object): torch would refuse its second step, so its
+      entry moves to a key no object has, and its inf check still counts for the update;
+    - :meth:`drop_empty`: an ``unscale_`` without gradients records an entry with no inf check, which no ``update()``
+      clears when no other optimizer recorded one, and which makes torch refuse the next ``unscale_``;
+    - :meth:`zero_dim_inf_checks`: fused kernels need 0-dim inf checks, ``ShardedGradScaler`` records shape ``[1]``.
+
     """
 
     def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
-        self._retired = 0
+        self._set_aside = 0
 
     def _states(self) -> dict:
         return self.scaler._per_optimizer_states
 
-    def stage(self, optimizer: Any) -> Optional[GradientStage]:
-        """torch's stage of ``optimizer``, in our terms; ``None`` if torch holds nothing for it."""
+    # ---- reads ----------------------------------------------------------------------------------------------------
+
+    def stage(self, optimizer: Any) -> Optional[OptState]:
+        """torch's stage of ``optimizer`` since the last update; ``None`` if torch holds nothing for it."""
         state = self._states().get(id(optimizer))
-        return None if state is None else _STAGE_OF_TORCH[state["stage"]]
+        return None if state is None else state["stage"]
 
-    def adopt(self, optimizer: Any, aliases: Iterable[Any]) -> None:
-        """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the optimizer."""
-        states = self._states()
-        for alias in aliases:
-            alias_state = states.get(id(alias))
-            if alias_state is None:
-                continue
-            del states[id(alias)]
-            if alias_state["stage"] is not _TorchOptState.READY and self.stage(optimizer) in (
-                None,
-                GradientStage.READY,
-            ):
-                states[id(optimizer)] = alias_state
-
-    def retire(self, optimizer: Any) -> None:
-        """Set a stepped (or unscaled) optimizer's state aside, so that it can run another step cycle in this
-        iteration while its inf check still counts for the iteration's update."""
-        self._retire_key(id(optimizer))
-
-    def _retire_key(self, key: int) -> None:
-        states = self._states()
-        state = states.pop(key, None)
-        if state is not None and state["found_inf_per_device"]:
-            self._retired += 1
-            states[-self._retired] = state  # negative keys are no object's id
-
-    def release_when_collected(self, optimizer: Any) -> None:
-        """torch keys the state by ``id()``, which a collected optimizer hands on to the next object (an inner-loop
-        optimizer created per step): when ``optimizer`` is collected, its state is retired, so a new optimizer never
-        inherits its stage, and its inf check still counts for the iteration's update."""
-        release = weakref.finalize(optimizer, _retire_collected, weakref.ref(self), id(optimizer))
-        release.atexit = False  # at interpreter exit there is no next optimizer to protect
-
-    def forget(self, optimizer: Any) -> None:
-        self._states().pop(id(optimizer), None)
+    def has_inf_check(self, optimizer: Any) -> bool:
+        state = self._states().get(id(optimizer))
+        return state is not None and bool(state["found_inf_per_device"])
 
     def found_inf(self, optimizer: Any) -> Optional[Tensor]:
         """A copy of the inf check recorded for ``optimizer``, summed over devices; ``None`` if none was recorded.
@@ -237,15 +181,9 @@ class _TorchScalerAdapter:
             return None
         return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone())
 
-    def zero_dim_inf_checks(self, optimizer: Any) -> None:
-        """Give a fused optimizer 0-dim inf checks: its kernels subtract them from 0-dim step counters, and
-        ``ShardedGradScaler`` records shape ``[1]`` (torch then fails with "output with shape [] doesn't match")."""
-        state = self._states().get(id(optimizer))
-        if state is not None:
-            per_device = state["found_inf_per_device"]
-            for device, found_inf in per_device.items():
-                if found_inf.dim() != 0:
-                    per_device[device] = found_inf.reshape(())
+    def has_inf_checks(self) -> bool:
+        """Whether an unscale (ours or the user's) recorded an inf check since the last update."""
+        return any(state["found_inf_per_device"] for state in self._states().values())
 
     def has_scaled(self) -> bool:
         """Whether the scaler scaled anything yet (before, it has no scale to unscale with)."""
@@ -271,9 +209,7 @@ class _TorchScalerAdapter:
         )
         state["scale"], state["_growth_tracker"] = scale.item(), int(growth_tracker.item())
 
-    def has_inf_checks(self) -> bool:
-        """Whether an unscale (ours or the user's) recorded an inf check since the last update."""
-        return any(state["found_inf_per_device"] for state in self._states().values())
+    # ---- torch's public transitions ---------------------------------------------------------------------------------
 
     def unscale_(self, optimizer: Any) -> None:
         self.scaler.unscale_(optimizer)
@@ -283,35 +219,279 @@ class _TorchScalerAdapter:
 
     def update(self) -> None:
         self.scaler.update()
-        self._retired = 0
+        self._set_aside = 0
 
-    def reset(self) -> None:
-        """Forget every optimizer's state, as ``update()`` does, without updating (a checkpoint was loaded)."""
-        self._states().clear()
-        self._retired = 0
+    # ---- the four writes ------------------------------------------------------------------------------------------
+
+    def adopt(self, optimizer: Any, aliases: Iterable[Any]) -> None:
+        """Move what the user did through a wrapper (``scaler.unscale_(lightning_optimizer)``) to the optimizer."""
+        states = self._states()
+        for alias in aliases:
+            alias_state = states.pop(id(alias), None)
+            if (
+                alias_state is not None
+                and alias_state["stage"] is not OptState.READY
+                and self.stage(optimizer) in (None, OptState.READY)
+            ):
+                states[id(optimizer)] = alias_state
+
+    def set_aside(self, optimizer: Any) -> None:
+        """Free ``optimizer``'s id for another step cycle; its inf check still counts for the update."""
+        self._set_aside_key(id(optimizer))
+
+    def _set_aside_key(self, key: int) -> None:
+        states = self._states()
+        state = states.pop(key, None)
+        if state is not None and state["found_inf_per_device"]:
+            self._set_aside += 1
+            states[-self._set_aside] = state  # negative keys are no object's id
+
+    def set_aside_when_collected(self, optimizer: Any) -> None:
+        """torch keys the state by ``id()``, which a collected optimizer hands on to the next object (an inner-loop
+        optimizer created per step): a new optimizer never inherits its stage."""
+        release = weakref.finalize(optimizer, _set_aside_collected, weakref.ref(self), id(optimizer))
+        release.atexit = False  # at interpreter exit there is no next optimizer to protect
+
+    def drop_empty(self, optimizer: Optional[Any] = None) -> None:
+        """Drop the entry of ``optimizer`` (``None``: of every optimizer) that recorded no inf check."""
+        states = self._states()
+        keys = list(states) if optimizer is None else [id(optimizer)]
+        for key in keys:
+            if key in states and not states[key]["found_inf_per_device"]:
+                del states[key]
+
+    def zero_dim_inf_checks(self, optimizer: Any) -> None:
+        """Give a fused optimizer 0-dim inf checks: its kernels subtract them from 0-dim step counters, and
+        ``ShardedGradScaler`` records shape ``[1]`` (torch then fails with "output with shape [] doesn't match")."""
+        state = self._states().get(id(optimizer))
+        if state is not None:
+            per_device = state["found_inf_per_device"]
+            for device, found_inf in per_device.items():
+                if found_inf.dim() != 0:
+                    per_device[device] = found_inf.reshape(())
+
+
+def _set_aside_collected(adapter_ref: "weakref.ref[_TorchScalerAdapter]", key: int) -> None:
+    adapter = adapter_ref()
+    if adapter is not None:
+        adapter._set_aside_key(key)
+
+
+@dataclass
+class _OptimizerRecord:
+    """What the recipe knows of an optimizer beyond torch's stage, which only lasts until the next update."""
+
+    # its gradients were unscaled before the last update and neither stepped nor cleared: torch forgot them
+    unscaled_before_update: bool = False
+    # a scaled backward reached its parameters after their unscale: the gradients mix two scales
+    mixed_scales: bool = False
+    # stepped since the last update without the scaler (nothing reached it): torch holds nothing for it
+    stepped_plainly: bool = False
+
+    def clear(self) -> None:
+        self.unscaled_before_update = self.mixed_scales = self.stepped_plainly = False
+
+
+class _StepSkips:
+    """Whether each optimizer's last step was skipped for inf/NaN gradients, and how many steps were.
+
+    torch's scaler decides a skip on the host: ``optimizer.step()`` runs only without an inf/NaN. So a step whose
+    ``step()`` ran (a step hook sees it) was not skipped, and telling so costs no device synchronisation; the inf check
+    of one whose ``step()`` did not run is read from the device only when someone asks. An optimizer that takes the
+    inf check into its own kernel (``fused=True``) always runs ``step()``: its answer is always the inf check. The count
+    of skipped steps stays on the device.
+    """
+
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary[Any, Union[bool, Tensor]] = weakref.WeakKeyDictionary()
+        self._step_hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # optimizers in the scaler's step now, by id: what their step hook saw
+        self._running: dict[int, list] = {}
+        self._pending: list[Tensor] = []
+        self._total: Optional[Tensor] = None
+
+    @contextmanager
+    def observe(self, optimizer: Any) -> Generator[list, None, None]:
+        """Around the scaler's step of ``optimizer``: the list it yields is non-empty if its own ``step()`` ran."""
+        if optimizer not in self._step_hooks and hasattr(optimizer, "register_step_post_hook"):
+            self._step_hooks[optimizer] = optimizer.register_step_post_hook(
+                functools.partial(_step_ran_hook, weakref.ref(self))
+            )
+        ran: list = []
+        self._running[id(optimizer)] = ran
+        try:
+            yield ran
+        finally:
+            del self._running[id(optimizer)]
+
+    def record(self, optimizer: Any, found_inf: Optional[Tensor], ran: bool) -> None:
+        """The step of ``optimizer`` checked ``found_inf`` (``None``: nothing it could skip on)."""
+        if found_inf is None:
+            self._last.pop(optimizer, None)
+            return
+        self._pending.append(found_inf)
+        in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
+        self._last[optimizer] = False if ran and not in_kernel else found_inf
+
+    def forget(self, optimizer: Any) -> None:
+        self._last.pop(optimizer, None)
+
+    def was_skipped(self, optimizer: Any) -> bool:
+        last = self._last.get(optimizer, False)
+        return last if isinstance(last, bool) else bool(last.item() > 0)
+
+    @property
+    def total(self) -> Tensor:
+        if self._pending:
+            skipped = (torch.cat([f.reshape(1) for f in self._pending]) > 0).sum()
+            self._total = skipped if self._total is None else self._total + skipped
+            self._pending.clear()
+        return torch.zeros((), dtype=torch.int64) if self._total is None else self._total
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_pending": self._pending, "_total": self._total}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.__dict__.update(state)
+
+
+def _step_ran_hook(skips_ref: "weakref.ref[_StepSkips]", optimizer: Any, *_: Any) -> None:
+    skips = skips_ref()
+    if skips is not None and id(optimizer) in skips._running:
+        skips._running[id(optimizer)].append(True)
+
+
+class _UnscaledBackwardWatch:
+    """The misuse watch: gradients that a backward *without* the loss scale accumulated (``loss.backward()`` instead of
+    the plugin's backward), and ``step()`` of a raw optimizer on gradients still multiplied by the scale.
+
+    A parameter accumulated outside :meth:`scaled_backward` is recorded; its optimizer's next unscale or step, and the
+    next scaled backward, refuse while its gradients are live. Gradients assigned to ``.grad`` and
+    ``torch.autograd.grad`` are not accumulations. The hooks stay for the first :data:`WATCHED_UPDATES` updates after
+    :meth:`watch`, and are held weakly with what they watch.
+    """
+
+    def __init__(self, is_ready: Callable[[Any], bool]) -> None:
+        # whether an optimizer's gradients are still multiplied by the scale, as far as the recipe knows
+        self._is_ready = is_ready
+        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.accumulations: dict[int, Tensor] = {}
+        # scaled backwards running: a count, not a flag per thread, since the autograd engine runs hooks of CUDA
+        # tensors on its device threads, and a reentrant checkpoint backpropagates in a nested backward
+        self._scaled_backward_depth = 0
+        self._recipe_steps: set[int] = set()
+        self.ends_at_update = 0
+
+    def watch(self, optimizers: Iterable[Any], ends_at_update: int) -> None:
+        self.ends_at_update = ends_at_update
+        this = weakref.ref(self)
+        for optimizer in optimizers:
+            if optimizer not in self._watched:
+                self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in self._watched or not p.requires_grad:
+                        continue
+                    self._watched[p] = p.register_post_accumulate_grad_hook(
+                        functools.partial(_accumulate_grad_hook, this)
+                    )
+
+    @property
+    def watching(self) -> int:
+        return len(self._watched)
+
+    def unwatch(self) -> None:
+        for handle in list(self._watched.values()):
+            handle.remove()
+        self._watched.clear()
+        self.accumulations.clear()
+
+    @contextmanager
+    def scaled_backward(self) -> Generator[None, None, None]:
+        """A backward of a loss the scaler scaled: what it accumulates carries the scale."""
+        self.refuse("a scaled backward")
+        self._scaled_backward_depth += 1
+        try:
+            yield
+        finally:
+            self._scaled_backward_depth -= 1
+
+    def refuse(self, where: str, optimizer: Optional[Any] = None) -> None:
+        """Raise if parameters (of ``optimizer``, or any) hold live gradients a backward without the scale
+        accumulated; forget those that were cleared since."""
+        if not self.accumulations:
+            return
+        params = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
+        live = []
+        for key, p in list(self.accumulations.items()):
+            if params is not None and key not in params:
+                continue
+            if _is_live(p.grad):
+                live.append(p)
+            else:  # cleared since: nothing unscaled remains
+                del self.accumulations[key]
+        if live:
+            raise RuntimeError(
+                f"{where} found gradients that a backward without the loss scale accumulated ({len(live)} parameter"
+                " tensor(s)): with a gradient scaler every backward must go through it, or the step divides those"
+                " gradients by the scale. Call `self.manual_backward(loss)` instead of `loss.backward()` (or"
+                " `torch.autograd.backward`; in Fabric, `fabric.backward(loss)`) for every loss of the step. Nothing"
+                " was changed."
+            )
+
+    @contextmanager
+    def recipe_step(self, optimizer: Any) -> Generator[None, None, None]:
+        """The recipe's own step of ``optimizer`` through the scaler: not a raw step."""
+        self._recipe_steps.add(id(optimizer))
+        try:
+            yield
+        finally:
+            self._recipe_steps.discard(id(optimizer))
+
+    def _check_raw_step(self, optimizer: Any) -> None:
+        if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
+            return  # our step, or inside the user's own `scaler.step` of a fused optimizer
+        if self._is_ready(optimizer) and _holds_live_gradients(optimizer):
+            raise RuntimeError(
+                f"`{type(optimizer).__name__}.step()` was called on the raw optimizer, whose gradients are still"
+                " multiplied by the loss scale: the scaler neither unscaled them nor checked them for inf/NaN. Step the"
+                " optimizer `self.optimizers()` returns (the `LightningOptimizer`), or drive the scaler yourself"
+                " (`scaler.unscale_(opt)` or `scaler.step(opt)`). The step was not taken."
+            )
+
+
+def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
+    watch = watch_ref()
+    if watch is not None and watch._scaled_backward_depth == 0:
+        watch.accumulations[id(param)] = param
+
+
+def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch._check_raw_step(optimizer)
 
 
 class GradScalerRecipe:
     """Drives a gradient scaler (``torch.amp.GradScaler``, FSDP's ``ShardedGradScaler``) through PyTorch's AMP recipe.
 
-    Every event of a training iteration is a transition of :class:`GradientStage` (per optimizer) and
-    :class:`IterationPhase` (per scaler):
+    Each optimizer is in torch's own ``OptState`` (:meth:`stage`): ``READY`` (gradients, if any, multiplied by the
+    scale), ``UNSCALED`` (true gradients, inf check recorded), ``STEPPED`` (stepped or skipped since the update). The
+    scaler is in an :class:`IterationPhase`. Every event is a transition:
 
-    - :meth:`scale` (a loss about to be backpropagated): settles an owed update when ``OUTSIDE``; ``STEPPED`` ->
-      ``READY`` (a new step cycle); ``UNSCALED`` -> ``READY`` if its gradients were cleared, otherwise an error.
-    - :meth:`backward` (a context around that backward): marks it as scaled, for :meth:`watch_unscaled_backward`.
-    - :meth:`unscale`: ``READY`` -> ``UNSCALED``; idempotent (``UNSCALED`` and ``STEPPED`` stay as they are).
-    - :meth:`step`: ``READY``/``UNSCALED`` -> ``STEPPED`` through the scaler; ``STEPPED`` -> ``STEPPED`` again for a
-      step cycle on gradients the caller assigned itself; a step without any gradient is a plain no-op step.
-    - :meth:`iteration_start`: settles an owed update; ``OUTSIDE`` -> ``INSIDE``.
-    - :meth:`iteration_end`: settles (``scaler.update()`` if any inf check was recorded); ``STEPPED`` -> ``READY``;
-      ``INSIDE`` -> ``OUTSIDE``.
-    - :meth:`state_dict`: settles first only when ``OUTSIDE``; mid-iteration the live run is left untouched.
-    - :meth:`load_state_dict`: every optimizer ``READY``.
+    - :meth:`scale`: settles an owed update when ``OUTSIDE``; ``STEPPED`` -> ``READY`` (a new step cycle, the old inf
+      check kept for the update); ``UNSCALED`` stays, and the backward watches its parameters: reaching cleared
+      gradients starts a fresh cycle, reaching live ones mixes two scales (refused at the step).
+    - :meth:`unscale`: ``READY`` -> ``UNSCALED`` through ``scaler.unscale_``; idempotent.
+    - :meth:`step`: ``READY``/``UNSCALED`` -> ``STEPPED``, always through ``scaler.unscale_`` (FSDP's inf checks
+      all-reduce, so every rank must); a step with nothing to step on is the optimizer's own. ``STEPPED`` -> a new step
+      cycle, for gradients the caller assigned itself. Once every optimizer of the run stepped, the update follows.
+    - :meth:`iteration_start` / :meth:`iteration_end`: settle; ``OUTSIDE`` <-> ``INSIDE``.
+    - :meth:`state_dict`: pure; :meth:`load_state_dict`: the owed update is consumed, every optimizer ``READY``.
 
-    A user's own ``scaler.unscale_(opt)``, ``scaler.step(opt)`` or ``scaler.update()`` (with the optimizer or a tracked
-    wrapper of it) is read from the scaler at the next event, so following PyTorch's recipe to the letter gives the
-    recipe's result: nothing is unscaled or updated twice.
+    A user's own ``scaler.unscale_(opt)`` or ``scaler.step(opt)`` (with the optimizer or a tracked wrapper of it) is
+    torch's stage, read as it is: following PyTorch's recipe to the letter gives the recipe's result.
 
     Example::
 
@@ -327,8 +507,8 @@ class GradScalerRecipe:
 
     .. warning::
         Gradients unscaled in an iteration that does not step them (clipping inside a gradient-accumulation window)
-        must be cleared before the next backward: the scale of new gradients cannot be told apart from the old ones
-        afterwards, so :meth:`scale` raises instead.
+        must be cleared before a backward reaches them again: the scale of new gradients cannot be told apart from the
+        old ones afterwards, so the step raises instead.
 
     """
 
@@ -355,36 +535,32 @@ class GradScalerRecipe:
         self._torch = _TorchScalerAdapter(scaler)
         self._records: weakref.WeakKeyDictionary[Any, _OptimizerRecord] = weakref.WeakKeyDictionary()
         self._updates = 0
-        self._iteration_found_infs: list[Tensor] = []
-        self._skipped_steps: Optional[Tensor] = None
-        self._scaled_backward_depth = 0
+        self._skips = _StepSkips()
+        self._watch = _UnscaledBackwardWatch(lambda optimizer: self.stage(optimizer) is OptState.READY)
         # hooks on the parameters of optimizers unscaled and not stepped, for the coming scaled backward
         self._unscaled_watch: list[Any] = []
-        self._recipe_steps: set[int] = set()
-        # parameters a backward without the scale accumulated into, by id
-        self._unscaled_accumulations: dict[int, Tensor] = {}
-        # the watched optimizers and parameters and their hook handles, held weakly by identity: a collected one's
-        # id() may come back, and its hook goes with it
-        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._watch_ends_at_update = 0
+
+    def stage(self, optimizer: Any) -> OptState:
+        """Where ``optimizer``'s gradients are: torch's stage since the last update, else what torch forgot."""
+        torch_stage = self._torch.stage(optimizer)
+        if torch_stage is not None and torch_stage is not OptState.READY:
+            return torch_stage
+        record = self._records.get(optimizer)
+        if record is not None and record.unscaled_before_update:
+            return OptState.UNSCALED
+        if record is not None and record.stepped_plainly:
+            return OptState.STEPPED
+        return OptState.READY
 
     def _record(self, optimizer: Any) -> _OptimizerRecord:
         record = self._records.get(optimizer)
         if record is None:
             record = self._records[optimizer] = _OptimizerRecord()
-            self._torch.release_when_collected(optimizer)
+            self._torch.set_aside_when_collected(optimizer)
         return record
 
-    def _reconcile(self, optimizer: Any, aliases: Iterable[Any] = ()) -> _OptimizerRecord:
-        """Bring ``optimizer``'s record in line with what the user did through the scaler themselves."""
-        self._torch.adopt(optimizer, aliases)
-        record = self._record(optimizer)
-        torch_stage = self._torch.stage(optimizer)
-        if torch_stage is GradientStage.UNSCALED and record.stage is GradientStage.READY:
-            record.stage, record.unscaled_at_update = GradientStage.UNSCALED, self._updates
-        elif torch_stage is GradientStage.STEPPED and record.stage is not GradientStage.STEPPED:
-            record.stage, record.last_found_inf = GradientStage.STEPPED, self._torch.found_inf(optimizer)
-        return record
+    def _candidates(self, optimizers: Callable[[], Iterable[Any]] = tuple) -> list[Any]:
+        return list({id(o): o for o in (*self._records.keys(), *self._optimizers(), *optimizers())}.values())
 
     # ---- events -------------------------------------------------------------------------------------------------
 
@@ -397,13 +573,11 @@ class GradScalerRecipe:
                 through the scaler themselves are seen too.
 
         Raises:
-            RuntimeError: if an optimizer holds gradients that were unscaled and not stepped on: the backward would add
-                gradients multiplied by the loss scale to them.
+            RuntimeError: if parameters hold gradients that a backward without the scale accumulated. Nothing is
+                changed then.
 
         """
-        if self._unscaled_accumulations:
-            # before any transition: a refused backward leaves every optimizer as it was
-            self._check_no_unscaled_accumulations(self._unscaled_accumulations.values(), "a scaled backward")
+        self._watch.refuse("a scaled backward")  # before any transition: a refused backward changes nothing
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
         self._stop_watching_unscaled()
@@ -412,10 +586,25 @@ class GradScalerRecipe:
                 self._begin_step_cycle(optimizer)
         return self.scaler.scale(loss)
 
+    def _begin_step_cycle(self, optimizer: Any) -> None:
+        self._torch.adopt(optimizer, self._aliases(optimizer))
+        stage = self.stage(optimizer)
+        if stage is OptState.STEPPED:
+            self._restart_step_cycle(optimizer)
+        elif stage is OptState.UNSCALED:
+            # legal as long as this backward does not reach its parameters (two networks, each clipped after its own
+            # backward; a GAN's toggled optimizers); when it does, cleared gradients (None or zeros) start afresh
+            self._watch_unscaled(optimizer, cleared=not _holds_live_gradients(optimizer))
+
+    def _restart_step_cycle(self, optimizer: Any) -> None:
+        self._torch.set_aside(optimizer)
+        self._record(optimizer).clear()
+
     def _watch_unscaled(self, optimizer: Any, cleared: bool) -> None:
         """Until this backward ends: if it reaches ``optimizer``'s parameters, its unscaled gradients now mix two
-        scales, or, when they were ``cleared`` (None or zeros), it starts a fresh step cycle; if it does not, the
-        optimizer stays unscaled, and its step is skipped on the inf check its unscale recorded, as in torch."""
+        scales, or, when they were ``cleared``, it starts a fresh step cycle; if it does not, the optimizer stays
+        unscaled, and its step is skipped on the inf check its unscale recorded, as in torch."""
+        self._record(optimizer)
         hook = functools.partial(_unscaled_reached_hook, weakref.ref(self), optimizer, cleared)
         self._unscaled_watch.extend(
             p.register_post_accumulate_grad_hook(hook)
@@ -429,45 +618,19 @@ class GradScalerRecipe:
             handle.remove()
         self._unscaled_watch.clear()
 
-    def _candidates(self, optimizers: Callable[[], Iterable[Any]]) -> list[Any]:
-        return list({id(o): o for o in (*self._records.keys(), *optimizers())}.values())
-
-    def _begin_step_cycle(self, optimizer: Any) -> None:
-        record = self._reconcile(optimizer, self._aliases(optimizer))
-        if record.stage is GradientStage.STEPPED:
-            self._torch.retire(optimizer)
-            record.stage = GradientStage.READY
-        elif record.stage is GradientStage.UNSCALED:
-            if _holds_live_gradients(optimizer):
-                # legal as long as this backward does not reach its parameters (two networks, each clipped after
-                # its own backward; a GAN's toggled optimizers): the backward watches them, the step decides
-                self._watch_unscaled(optimizer, cleared=False)
-                return
-            # cleared (None or zeros): nothing unscaled remains until a backward reaches it
-            self._watch_unscaled(optimizer, cleared=True)
-
-    def _restart_step_cycle(self, optimizer: Any) -> None:
-        # its inf check still counts for the update
-        self._torch.retire(optimizer)
-        record = self._records[optimizer]
-        record.stage, record.mixed_scales = GradientStage.READY, False
-
     @contextmanager
     def backward(self) -> Generator[None, None, None]:
         """The backward of a loss returned by :meth:`scale`.
 
         Raises:
-            RuntimeError: if a watched parameter holds gradients that a backward without the scale accumulated: this
-                backward would add scaled gradients to them.
+            RuntimeError: if parameters hold gradients that a backward without the scale accumulated: this backward
+                would add scaled gradients to them.
 
         """
-        if self._unscaled_accumulations:
-            self._check_no_unscaled_accumulations(self._unscaled_accumulations.values(), "a scaled backward")
-        self._scaled_backward_depth += 1
         try:
-            yield
+            with self._watch.scaled_backward():
+                yield
         finally:
-            self._scaled_backward_depth -= 1
             self._stop_watching_unscaled()
 
     def unscale(self, optimizer: Optimizer, aliases: Iterable[Any] = (), required: bool = True) -> None:
@@ -486,84 +649,70 @@ class GradScalerRecipe:
             return
         if _handles_unscaling_itself(optimizer):
             if required:
-                raise RuntimeError(
-                    f"The optimizer {type(optimizer).__qualname__} unscales gradients inside its own `step()` (it takes"
-                    " a `grad_scaler` argument), so its gradients stay multiplied by the loss scale until then and"
-                    " cannot be clipped or inspected before the step without being unscaled twice. Use an optimizer"
-                    " that follows torch's `grad_scale`/`found_inf` protocol (any built-in `fused=True` optimizer),"
-                    " or do not clip gradients with this one."
-                )
+                raise _unscales_itself_error(optimizer)
             return
-        self._refuse_unscaled_accumulations(optimizer, f"Unscaling the gradients of {type(optimizer).__name__}")
-        record = self._reconcile(optimizer, aliases)
-        self._refuse_mixed_scales(optimizer, record)
-        self._start_afresh_if_zeroed_since_an_update(optimizer, record)
-        self._unscale_if_ready(optimizer, record)
+        self._prepare(optimizer, aliases, f"Unscaling the gradients of {type(optimizer).__name__}")
+        if self.stage(optimizer) is OptState.READY:
+            self._torch.unscale_(optimizer)
 
-    def _unscale_if_ready(self, optimizer: Any, record: _OptimizerRecord) -> None:
-        if record.stage is not GradientStage.READY:
-            return
-        if self._torch.stage(optimizer) is GradientStage.STEPPED:  # the user updated after a step: a fresh cycle
-            self._torch.forget(optimizer)
-        self._torch.unscale_(optimizer)
-        record.stage, record.unscaled_at_update = GradientStage.UNSCALED, self._updates
+    def _prepare(self, optimizer: Any, aliases: Iterable[Any], where: str) -> OptState:
+        """The checks before an unscale or a step: the refusals, and what was cleared since it was unscaled."""
+        self._watch.refuse(where, optimizer)
+        self._torch.adopt(optimizer, aliases)
+        record = self._record(optimizer)  # known from now on: an update that forgets its unscale marks it
+        stage = self.stage(optimizer)
+        if record.mixed_scales or record.unscaled_before_update:
+            if not _holds_live_gradients(optimizer):
+                # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh step cycle, as
+                # torch's scaler starts one after its update
+                self._restart_step_cycle(optimizer)
+                return self.stage(optimizer)
+            if record.mixed_scales:
+                raise _mixed_scales_error(optimizer)
+        return stage
 
     def step(self, optimizer: Optimizer, aliases: Iterable[Any] = (), **kwargs: Any) -> Any:
         """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN.
 
         Raises:
-            RuntimeError: if watched parameters of ``optimizer`` hold gradients that a backward without the scale
-                accumulated, or its gradients were unscaled before an earlier update. Nothing is changed then.
+            RuntimeError: if given a closure (as torch's scaler), if parameters of ``optimizer`` hold gradients that a
+                backward without the scale accumulated, or its gradients were unscaled before an earlier update.
+                Nothing is changed then.
 
         """
         if not self.scaler.is_enabled():
             return optimizer.step(**kwargs)
         if kwargs.get("closure") is not None:
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step(closure)` was called under a gradient scaler. torch's GradScaler"
-                ' does not support closures ("Closure use is not currently supported if GradScaler is enabled"): the'
-                " gradients the closure computes are multiplied by the loss scale and must be unscaled and checked for"
-                " inf/NaN before the step. Run the closure yourself (`loss = closure()`), then call `step()` without"
-                " it. The step was not taken."
-            )
-        self._refuse_unscaled_accumulations(optimizer, f"`{type(optimizer).__name__}.step()`")
-        record = self._reconcile(optimizer, aliases)
-        self._refuse_mixed_scales(optimizer, record)
-        self._start_afresh_if_zeroed_since_an_update(optimizer, record)
-        if record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates:
-            raise RuntimeError(
-                f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
-                " scale was updated, and the optimizer steps on them only now. Step in the iteration that clips or"
-                " unscales its gradients, or zero them and compute them again. The step was not taken."
-            )
-        if record.stage is GradientStage.STEPPED:
+            raise _closure_error(optimizer)
+        stage = self._prepare(optimizer, aliases, f"`{type(optimizer).__name__}.step()`")
+        record = self._records[optimizer]
+        if record.unscaled_before_update:
+            raise _unscaled_earlier_error(optimizer)
+        if stage is OptState.STEPPED:
             # a second step cycle without a scaled backward in between: gradients the caller assigned itself
             # (gradient surgery with `torch.autograd.grad(scaler.scale(loss), ...)`)
-            self._torch.retire(optimizer)
-            record.stage = GradientStage.READY
+            self._restart_step_cycle(optimizer)
+            stage = OptState.READY
+        unscales_itself = _handles_unscaling_itself(optimizer)
         # always through the scaler, whatever the gradients hold: FSDP's `ShardedGradScaler.unscale_` all-reduces the
         # inf check, so every rank must unscale, in the same order, even one whose shard has no gradients
-        if self._torch.has_scaled() and not _handles_unscaling_itself(optimizer):
-            self._unscale_if_ready(optimizer, record)  # the checks of `unscale` ran above
-        if self._torch.found_inf(optimizer) is None and not _handles_unscaling_itself(optimizer):
-            # no gradient to step on (none reached this optimizer): torch's scaler would fail with "No inf checks were
-            # recorded for this optimizer", so the optimizer's own step is taken without it; it cannot overflow
+        if stage is OptState.READY and self._torch.has_scaled() and not unscales_itself:
+            self._torch.unscale_(optimizer)
+        if not unscales_itself and not self._torch.has_inf_check(optimizer):
+            # no gradient reached this optimizer: torch's scaler would fail with "No inf checks were recorded for this
+            # optimizer", so its own step is taken, which cannot overflow
+            self._torch.drop_empty(optimizer)
             output = optimizer.step(**kwargs)
-            record.stage, record.last_found_inf = GradientStage.STEPPED, None
+            record.stepped_plainly = True
+            self._skips.forget(optimizer)
             self._update_once_every_optimizer_stepped(optimizer)
             return output
         _protect_fused_sgd_momentum(optimizer)
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and not _handles_unscaling_itself(optimizer):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not unscales_itself:
             self._torch.zero_dim_inf_checks(optimizer)
-        self._recipe_steps.add(id(optimizer))
-        try:
+        with self._watch.recipe_step(optimizer), self._skips.observe(optimizer) as ran:
             output = self._torch.step(optimizer, **kwargs)
-        finally:
-            self._recipe_steps.discard(id(optimizer))
-        found_inf = self._torch.found_inf(optimizer)
-        record.stage, record.last_found_inf = GradientStage.STEPPED, found_inf
-        if found_inf is not None:  # None only for an optimizer that unscales inside its own `step()`
-            self._iteration_found_infs.append(found_inf)
+        self._skips.record(optimizer, self._torch.found_inf(optimizer), ran=bool(ran))
         self._update_once_every_optimizer_stepped(optimizer)
         return output
 
@@ -571,10 +720,7 @@ class GradScalerRecipe:
         # the last step of the iteration: nothing is left for the scale to unscale, so the update is due now, exactly
         # where PyTorch's recipe puts it (a second step cycle of one optimizer then starts afresh, as in torch)
         optimizers = list(self._optimizers())
-        if not any(o is optimizer for o in optimizers):
-            return
-        records = [self._records.get(o) for o in optimizers]
-        if all(r is not None and r.stage is GradientStage.STEPPED for r in records):
+        if any(o is optimizer for o in optimizers) and all(self.stage(o) is OptState.STEPPED for o in optimizers):
             self._settle()
 
     def iteration_start(self) -> None:
@@ -589,16 +735,20 @@ class GradScalerRecipe:
 
     def _settle(self) -> None:
         """Apply the update owed by the inf checks recorded since the last one (steps, and unscales without a step
-        whose inf check must still lower the scale); none when the user already called ``scaler.update()``."""
+        whose inf check must still lower the scale)."""
         if self._torch.has_inf_checks():
+            for optimizer in self._candidates():
+                self._torch.adopt(optimizer, self._aliases(optimizer))
+                if self._torch.stage(optimizer) is OptState.UNSCALED and self._torch.has_inf_check(optimizer):
+                    # unscaled, not stepped: the gradients stay unscaled, and torch's update forgets that
+                    self._record(optimizer).unscaled_before_update = True
             self._torch.update()
             self._updates += 1
-            if self._watched and self._updates >= self._watch_ends_at_update and not self._unscaled_accumulations:
-                self.unwatch()
+            if self._updates >= self._watch.ends_at_update and not self._watch.accumulations:
+                self._watch.unwatch()
+        self._torch.drop_empty()
         for record in self._records.values():
-            if record.stage is GradientStage.STEPPED:
-                record.stage = GradientStage.READY
-        self._count_skipped_steps()
+            record.stepped_plainly = False
 
     def state_dict(self, include_owed_update: Optional[bool] = None) -> dict[str, Any]:
         """The scaler's state, without changing the live run.
@@ -624,132 +774,47 @@ class GradScalerRecipe:
             self._settle()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scaler.load_state_dict(state_dict)
+        """Continue from ``state_dict``: the update owed so far is consumed (the loaded state replaces what it would
+        leave), and every optimizer starts a fresh step cycle."""
+        self._settle()
+        self._torch.scaler.load_state_dict(state_dict)
         for record in self._records.values():
-            record.stage, record.mixed_scales = GradientStage.READY, False
-        self._torch.reset()
+            record.clear()
 
-    # ---- backward without the scale -----------------------------------------------------------------------------
+    # ---- the misuse watch ---------------------------------------------------------------------------------------
 
     def watch_unscaled_backward(self, optimizers: Iterable[Optimizer]) -> None:
         """Watch ``optimizers``' parameters for gradients accumulated by a backward that :meth:`scale` did not scale
-        (``loss.backward()`` instead of the plugin's backward), and their raw ``step()`` on scaled gradients.
-
-        Gradients assigned to ``.grad`` (gradient surgery) and ``torch.autograd.grad`` are not accumulations and are
-        not flagged. Costs one Python call per parameter per backward, for the next :data:`WATCHED_UPDATES` scaler
-        updates (iterations that step); then, or with :meth:`unwatch`, the hooks are removed.
-        """
-        if not self.scaler.is_enabled():
-            return
-        self._watch_ends_at_update = self._updates + WATCHED_UPDATES
-        this = weakref.ref(self)
-        for optimizer in optimizers:
-            if optimizer not in self._watched:
-                self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p in self._watched or not p.requires_grad:
-                        continue
-                    self._watched[p] = p.register_post_accumulate_grad_hook(
-                        functools.partial(_accumulate_grad_hook, this)
-                    )
+        (``loss.backward()`` instead of the plugin's backward), and their raw ``step()`` on scaled gradients, for the
+        next :data:`WATCHED_UPDATES` scaler updates (iterations that step); then, or with :meth:`unwatch`, the hooks
+        are removed. Costs one Python call per parameter per backward while on."""
+        if self.scaler.is_enabled():
+            self._watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
 
     @property
     def watched(self) -> int:
         """How many optimizers and parameters are watched: each one's hook goes away with it."""
-        return len(self._watched)
+        return self._watch.watching
 
     def unwatch(self) -> None:
-        for handle in list(self._watched.values()):
-            handle.remove()
-        self._watched.clear()
-        self._unscaled_accumulations.clear()
-
-    def _start_afresh_if_zeroed_since_an_update(self, optimizer: Any, record: _OptimizerRecord) -> None:
-        """Gradients unscaled before the last update and zeroed since (``zero_grad(set_to_none=False)``): nothing
-        unscaled remains, so the optimizer starts a fresh step cycle, as torch's scaler does after its update."""
-        unscaled_before_an_update = (
-            record.stage is GradientStage.UNSCALED and record.unscaled_at_update != self._updates
-        )
-        if unscaled_before_an_update and not _holds_live_gradients(optimizer):
-            self._restart_step_cycle(optimizer)  # torch's update already dropped its state
-
-    def _refuse_mixed_scales(self, optimizer: Any, record: _OptimizerRecord) -> None:
-        if not record.mixed_scales:
-            return
-        if not _holds_live_gradients(optimizer):  # zeroed since: nothing mixed remains, a fresh cycle
-            self._restart_step_cycle(optimizer)
-            return
-        raise RuntimeError(
-            f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or `scaler.unscale_`) but"
-            " the optimizer did not step before a later backward added new gradients multiplied by the loss scale to"
-            " them, so they now mix two scales. With a gradient scaler, clip or unscale only in iterations that step"
-            " the optimizer (inside your gradient-accumulation condition, for example), or zero its gradients before"
-            " the next backward. Nothing was changed: zero its gradients to go on."
-        )
-
-    def _refuse_unscaled_accumulations(self, optimizer: Any, where: str) -> None:
-        if not self._unscaled_accumulations:
-            return
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._check_no_unscaled_accumulations(
-            [p for key, p in self._unscaled_accumulations.items() if key in params], where
-        )
-
-    def _check_no_unscaled_accumulations(self, params: Iterable[Tensor], where: str) -> None:
-        live = []
-        for p in list(params):
-            if _is_live(p.grad):
-                live.append(p)
-            else:  # cleared since: nothing unscaled remains
-                self._unscaled_accumulations.pop(id(p), None)
-        if live:
-            raise RuntimeError(
-                f"{where} found gradients that a backward without the loss scale accumulated ({len(live)} parameter"
-                " tensor(s)): with a gradient scaler every backward must go through it, or the step divides those"
-                " gradients by the scale. Call `self.manual_backward(loss)` instead of `loss.backward()` (or"
-                " `torch.autograd.backward`; in Fabric, `fabric.backward(loss)`) for every loss of the step. Nothing"
-                " was changed."
-            )
-
-    def _check_raw_step(self, optimizer: Optimizer) -> None:
-        if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
-            return  # our step, or inside the user's own `scaler.step` of a fused optimizer
-        if self._torch.stage(optimizer) is not None and self._torch.stage(optimizer) is not GradientStage.READY:
-            return  # the user unscaled through the scaler (`scaler.unscale_`, `scaler.step`): true gradients
-        record = self._records.get(optimizer)
-        if record is not None and record.stage is not GradientStage.READY:
-            return
-        if _holds_live_gradients(optimizer):
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step()` was called on the raw optimizer, whose gradients are still"
-                " multiplied by the loss scale: the scaler neither unscaled them nor checked them for inf/NaN. Step the"
-                " optimizer `self.optimizers()` returns (the `LightningOptimizer`), or drive the scaler yourself"
-                " (`scaler.unscale_(opt)` or `scaler.step(opt)`). The step was not taken."
-            )
+        self._watch.unwatch()
 
     # ---- signals ------------------------------------------------------------------------------------------------
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
 
-        ``False`` before its first step, and for a step with no gradients. Reading it synchronises with the device.
+        ``False`` before its first step, and for a step with no gradients. For an optimizer that checks inf/NaN in
+        its own kernel (``fused=True``), reading it synchronises with the device.
 
         """
-        record = self._records.get(optimizer)
-        found_inf = None if record is None else record.last_found_inf
-        return found_inf is not None and bool(found_inf.item() > 0)
+        return self._skips.was_skipped(optimizer)
 
     def forget_last_step(self, optimizer: Optimizer) -> None:
         """``optimizer`` did not step in this iteration (nothing to step on): no step of it was skipped, and an unscale
         without gradients (clipping on a batch without backward) leaves no state behind."""
-        record = self._records.get(optimizer)
-        if record is None:
-            return
-        record.last_found_inf = None
-        if record.stage is GradientStage.UNSCALED and self._torch.found_inf(optimizer) is None:
-            self._torch.forget(optimizer)
-            record.stage = GradientStage.READY
+        self._skips.forget(optimizer)
+        self._torch.drop_empty(optimizer)
 
     @property
     def update_owed(self) -> bool:
@@ -764,62 +829,78 @@ class GradScalerRecipe:
     @property
     def skipped_steps(self) -> Tensor:
         """How many steps (of all optimizers) the scaler skipped so far, as a tensor on the scaler's device."""
-        self._count_skipped_steps()
-        if self._skipped_steps is None:
-            return torch.zeros((), dtype=torch.int64)
-        return self._skipped_steps
-
-    def _count_skipped_steps(self) -> None:
-        if not self._iteration_found_infs:
-            return
-        skipped = (torch.cat([f.reshape(1) for f in self._iteration_found_infs]) > 0).sum()
-        self._skipped_steps = skipped if self._skipped_steps is None else self._skipped_steps + skipped
-        self._iteration_found_infs.clear()
+        return self._skips.total
 
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`); hooks and weak records stay in this process
         state = self.__dict__.copy()
-        unpicklable = ("_records", "_aliases", "_optimizers", "_watched")
-        state.update(dict.fromkeys(unpicklable), _unscaled_accumulations={}, _unscaled_watch=[])
+        state.update(dict.fromkeys(("_records", "_aliases", "_optimizers", "_watch")), _unscaled_watch=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._records = weakref.WeakKeyDictionary()
-        self._watched = WeakIdKeyDictionary()
+        self._watch = _UnscaledBackwardWatch(lambda optimizer: self.stage(optimizer) is OptState.READY)
         self._aliases = lambda optimizer: ()
         self._optimizers = tuple
 
 
-def _retire_collected(adapter_ref: "weakref.ref[_TorchScalerAdapter]", key: int) -> None:
-    adapter = adapter_ref()
-    if adapter is not None:
-        adapter._retire_key(key)
+# ---- the recipe's refusals: what went wrong, why, and what to do instead ----------------------------------------
 
 
-def _accumulate_grad_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", param: Tensor) -> None:
-    recipe = recipe_ref()
-    if recipe is not None and recipe._scaled_backward_depth == 0:
-        recipe._unscaled_accumulations[id(param)] = param
+def _unscales_itself_error(optimizer: Any) -> RuntimeError:
+    """Clipping an optimizer whose ``step()`` takes a ``grad_scaler``."""
+    return RuntimeError(
+        f"The optimizer {type(optimizer).__qualname__} unscales gradients inside its own `step()` (it takes"
+        " a `grad_scaler` argument), so its gradients stay multiplied by the loss scale until then and"
+        " cannot be clipped or inspected before the step without being unscaled twice. Use an optimizer"
+        " that follows torch's `grad_scale`/`found_inf` protocol (any built-in `fused=True` optimizer),"
+        " or do not clip gradients with this one."
+    )
+
+
+def _mixed_scales_error(optimizer: Any) -> RuntimeError:
+    """A step or unscale on gradients a scaled backward added to after their unscale."""
+    return RuntimeError(
+        f"The gradients of {type(optimizer).__name__} were unscaled (by gradient clipping or"
+        " `scaler.unscale_`) but the optimizer did not step before a later backward added new gradients"
+        " multiplied by the loss scale to them, so they now mix two scales. With a gradient scaler, clip or"
+        " unscale only in iterations that step the optimizer (inside your gradient-accumulation condition,"
+        " for example), or zero its gradients before the next backward. Nothing was changed: zero its"
+        " gradients to go on."
+    )
+
+
+def _closure_error(optimizer: Any) -> RuntimeError:
+    """``step(closure)`` under an enabled scaler, which torch's scaler refuses too."""
+    return RuntimeError(
+        f"`{type(optimizer).__name__}.step(closure)` was called under a gradient scaler. torch's GradScaler"
+        ' does not support closures ("Closure use is not currently supported if GradScaler is enabled"): the'
+        " gradients the closure computes are multiplied by the loss scale and must be unscaled and checked for"
+        " inf/NaN before the step. Run the closure yourself (`loss = closure()`), then call `step()` without"
+        " it. The step was not taken."
+    )
+
+
+def _unscaled_earlier_error(optimizer: Any) -> RuntimeError:
+    """A step on gradients unscaled before an update that changed the scale."""
+    return RuntimeError(
+        f"The gradients of {type(optimizer).__name__} were unscaled in an earlier iteration, before the loss"
+        " scale was updated, and the optimizer steps on them only now. Step in the iteration that clips or"
+        " unscales its gradients, or zero them and compute them again. The step was not taken."
+    )
 
 
 def _unscaled_reached_hook(
     recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Any, cleared: bool, param: Tensor
 ) -> None:
     recipe = recipe_ref()
-    record = None if recipe is None else recipe._records.get(optimizer)
-    if record is None or record.stage is not GradientStage.UNSCALED:
+    if recipe is None or recipe.stage(optimizer) is not OptState.UNSCALED:
         return  # restarted by an earlier parameter of this backward
     if cleared:
         recipe._restart_step_cycle(optimizer)
     else:
-        record.mixed_scales = True
-
-
-def _raw_step_pre_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Optimizer, *_: Any) -> None:
-    recipe = recipe_ref()
-    if recipe is not None:
-        recipe._check_raw_step(optimizer)
+        recipe._record(optimizer).mixed_scales = True
 
 
 def _is_live(grad: Optional[Tensor]) -> bool:
@@ -874,6 +955,8 @@ class _ScalerRecipeHolder:
     """
 
     scaler: Optional[Any]
+    #: what a step of LBFGS under the scaler raises: the type each package raised before
+    _lbfgs_error: type[Exception] = TypeError
 
     def _init_amp_recipe(self) -> None:
         self._scaler_recipe: Optional[GradScalerRecipe] = None
@@ -892,6 +975,14 @@ class _ScalerRecipeHolder:
                 self.scaler, aliases=self._aliases, optimizers=self._known_optimizers
             )
         return self._scaler_recipe
+
+    def _refuse_lbfgs(self, optimizer: Any) -> None:
+        if isinstance(optimizer, LBFGS):
+            raise self._lbfgs_error(
+                "AMP with a gradient scaler and the LBFGS optimizer are not compatible: LBFGS evaluates its closure"
+                " several times per step and reads the gradients in between, which the scaler cannot unscale."
+                " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
+            )
 
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
         self._optimizer_wrappers.add(wrapper)
@@ -976,7 +1067,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)
-        _refuse_lbfgs(optimizer, TypeError)
+        self._refuse_lbfgs(optimizer)
         # the scaler skips the step if the gradients hold inf/NaN
         return self._recipe.step(optimizer, self._aliases(optimizer), **kwargs)  # type: ignore[arg-type]
 

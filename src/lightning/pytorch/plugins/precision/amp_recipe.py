@@ -37,7 +37,6 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import (
     _AUTOCAST_CACHE_IS_SAFE,
     _autocast_enabled,
-    _refuse_lbfgs,
     _ScalerRecipeHolder,
 )
 from lightning.fabric.utilities.types import Optimizable
@@ -57,6 +56,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """
 
     scaler: Optional[Any]
+    _lbfgs_error = MisconfigurationException
     # whether the subclass's autocast caches casts; off unless it says so
     cache_enabled: bool = False
     # the user left `cache_enabled` unset: `connect` turns the cache on where it is safe, in automatic optimization
@@ -167,7 +167,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def _scaled_optimizer_step(
         self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        _refuse_lbfgs(optimizer, MisconfigurationException)
+        self._refuse_lbfgs(optimizer)
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
         optimizer, wrappers = self._unwrap(optimizer)
