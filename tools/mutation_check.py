@@ -503,6 +503,14 @@ MUTATIONS = (
         '            raise RuntimeError("unscaled but did not step")\n',
         ("tests/tests_pytorch/plugins/precision/test_amp_iteration.py", "-k", "gan"),
     ),
+    Mutation(
+        "skip-signal-hooks-released",
+        "the step hooks of the skip signal go when training ends: a raw optimizer kept after the fit pays nothing",
+        FABRIC_RECIPE,
+        "            self._settle()\n        self._skips.release()\n",
+        "            self._settle()\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "goes_when_training_ends"),
+    ),
 )
 
 

@@ -554,6 +554,18 @@ def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the
         assert len(reads) - before == (1 if fused or inf else 0)
 
 
+def test_the_step_hook_of_the_skip_signal_goes_when_training_ends():
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
+    with recipe.backward():
+        recipe.scale(_loss(net)).backward()
+    recipe.step(opt)
+    assert len(opt._optimizer_step_post_hooks) == 1
+    recipe.finish()
+    assert len(opt._optimizer_step_post_hooks) == 0
+    assert not recipe.step_was_skipped(opt)  # still answered
+
+
 def test_a_load_consumes_the_owed_update():
     """A step outside an iteration leaves its update owed; a load replaces the scale that update would change, so the
     owed inf check must not reach the loaded scale at the next update."""

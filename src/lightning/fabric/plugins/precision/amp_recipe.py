@@ -336,6 +336,12 @@ class _StepSkips:
     def forget(self, optimizer: Any) -> None:
         self._last.pop(optimizer, None)
 
+    def release(self) -> None:
+        """Take the step hooks off the optimizers (training ended); the next step puts them back."""
+        for handle in list(self._step_hooks.values()):
+            handle.remove()
+        self._step_hooks.clear()
+
     def was_skipped(self, optimizer: Any) -> bool:
         last = self._last.get(optimizer, False)
         return last if isinstance(last, bool) else bool(last.item() > 0)
@@ -772,6 +778,7 @@ class GradScalerRecipe:
         ``on_train_epoch_end``) is applied, as the recipe applies it right after those steps."""
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
+        self._skips.release()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict``: the update owed so far is consumed (the loaded state replaces what it would
