@@ -1020,12 +1020,13 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
     ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through :class:`GradScalerRecipe`.
 
-    Fabric's loop belongs to the user. Unless the user marks an iteration (``with fabric.training_iteration():``), none
-    is open (:attr:`IterationPhase.OUTSIDE`): the single ``scaler.update()`` owed by an iteration's steps is applied
-    right before the next ``fabric.backward()`` scales a loss, and before ``fabric.save`` or the plugin's
-    ``state_dict``, so several optimizers fed by one backward are all unscaled with the scale that scaled their
-    gradients. Inside a marked iteration the update waits for its end, so a loop that interleaves backward and step of
-    several optimizers (a GAN) gets one update per iteration, as in PyTorch's recipe.
+    Fabric's loop belongs to the user. The single ``scaler.update()`` of an iteration follows the step of the last
+    optimizer ``fabric.setup`` wrapped, so several optimizers fed by one backward are all unscaled with the scale that
+    scaled their gradients. Unless the user marks an iteration (``with fabric.training_iteration():``), none is open
+    (:attr:`IterationPhase.OUTSIDE`): an update still owed (an optimizer that did not step) is applied right before
+    the next ``fabric.backward()`` scales a loss. Inside a marked iteration it waits for the iteration's end. The
+    plugin's ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues with, the owed update
+    included, and changes nothing.
 
     Under an enabled scaler the parameters of every optimizer ``fabric.setup`` wraps are watched (as in the Trainer's
     manual optimization): gradients accumulated by a backward the scaler did not scale (``loss.backward()`` instead of
