@@ -587,26 +587,31 @@ def test_a_load_consumes_the_owed_update():
 
 
 def test_an_unscale_without_gradients_leaves_no_state_behind():
-    """Clipping on an iteration without backward unscales nothing and records no inf check; torch's scaler would then
-    refuse the next iteration's unscale. The recipe drops that empty entry at the iteration's end, and the next
-    iteration equals torch's recipe."""
+    """Clipping on an iteration without backward and without a step unscales nothing and records no inf check: torch
+    keeps an entry that no update clears, and would take the next iteration's gradients for unscaled. The recipe drops
+    it at the iteration's end, so gradients assigned next (gradient surgery) are unscaled as in torch's recipe."""
     net, opt, twin, twin_opt = _twins()
     recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
-    for backward in (True, False, True):
+    for iteration in ("backward", "clip only", "surgery"):
         recipe.iteration_start()
         opt.zero_grad()
         twin_opt.zero_grad()
-        if backward:
+        if iteration == "backward":
             with recipe.backward():
                 recipe.scale(_loss(net)).backward()
             scaler.scale(_loss(twin)).backward()
+        elif iteration == "surgery":
+            for params, scaled in ((net, recipe.scale(_loss(net))), (twin, scaler.scale(_loss(twin)))):
+                for p, g in zip(params.parameters(), torch.autograd.grad(scaled, list(params.parameters()))):
+                    p.grad = g
+        recipe.unscale(opt)  # clipping
+        if iteration != "clip only":
+            recipe.step(opt)
             scaler.unscale_(twin_opt)
             scaler.step(twin_opt)
             scaler.update()
-        recipe.unscale(opt)  # clipping
-        recipe.step(opt)
         recipe.iteration_end()
-    assert _same(net, twin)
+        assert _same(net, twin), iteration
     assert recipe.scaler.state_dict() == scaler.state_dict()
 
 
