@@ -554,6 +554,23 @@ def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the
         assert len(reads) - before == (1 if fused or inf else 0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_skip_count_keeps_no_tensor_per_step(fused):
+    """The count of skipped steps keeps the inf checks it cannot decide on the host, and only up to a bound: a long run
+    that nobody asks for its count holds no tensor per step."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused)
+    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
+    for i in range(100):
+        opt.zero_grad()
+        with recipe.backward():
+            recipe.scale(_loss(net, inf=i % 10 == 0), optimizers=lambda: [opt]).backward()
+        recipe.step(opt)
+    assert len(recipe._skips._pending) < (64 if fused else 11)
+    assert int(recipe.skipped_steps) == 10
+
+
 def test_the_step_hook_of_the_skip_signal_goes_when_training_ends():
     net, opt, _, _ = _twins()
     recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])

@@ -299,7 +299,7 @@ class _StepSkips:
     ``step()`` ran (a step hook sees it) was not skipped, and telling so costs no device synchronisation; the inf check
     of one whose ``step()`` did not run is read from the device only when someone asks. An optimizer that takes the
     inf check into its own kernel (``fused=True``) always runs ``step()``: its answer is always the inf check. The count
-    of skipped steps stays on the device.
+    of skipped steps stays on the device, and holds only the inf checks of those steps.
     """
 
     def __init__(self) -> None:
@@ -329,9 +329,14 @@ class _StepSkips:
         if found_inf is None:
             self._last.pop(optimizer, None)
             return
-        self._pending.append(found_inf)
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
-        self._last[optimizer] = False if ran and not in_kernel else found_inf
+        if ran and not in_kernel:
+            self._last[optimizer] = False  # not skipped, and nothing to count
+            return
+        self._last[optimizer] = found_inf
+        self._pending.append(found_inf)
+        if len(self._pending) >= 64:  # a fused optimizer's every step: bounded
+            self._fold()
 
     def forget(self, optimizer: Any) -> None:
         self._last.pop(optimizer, None)
@@ -346,12 +351,15 @@ class _StepSkips:
         last = self._last.get(optimizer, False)
         return last if isinstance(last, bool) else bool(last.item() > 0)
 
+    def _fold(self) -> None:
+        skipped = (torch.cat([f.reshape(1) for f in self._pending]) > 0).sum()
+        self._total = skipped if self._total is None else self._total + skipped
+        self._pending.clear()
+
     @property
     def total(self) -> Tensor:
         if self._pending:
-            skipped = (torch.cat([f.reshape(1) for f in self._pending]) > 0).sum()
-            self._total = skipped if self._total is None else self._total + skipped
-            self._pending.clear()
+            self._fold()
         return torch.zeros((), dtype=torch.int64) if self._total is None else self._total
 
     def __getstate__(self) -> dict[str, Any]:
@@ -489,7 +497,8 @@ class GradScalerRecipe:
     - :meth:`scale`: settles an owed update when ``OUTSIDE``; ``STEPPED`` -> ``READY`` (a new step cycle, the old inf
       check kept for the update); ``UNSCALED`` stays, and the backward watches its parameters: reaching cleared
       gradients starts a fresh cycle, reaching live ones mixes two scales (refused at the step).
-    - :meth:`unscale`: ``READY`` -> ``UNSCALED`` through ``scaler.unscale_``; idempotent.
+    - :meth:`unscale`: ``READY`` -> ``UNSCALED`` through ``scaler.unscale_``; idempotent; after a step (clipping
+      after ``opt.step()``), where torch raises, nothing happens: the gradients stepped on are true ones already.
     - :meth:`step`: ``READY``/``UNSCALED`` -> ``STEPPED``, always through ``scaler.unscale_`` (FSDP's inf checks
       all-reduce, so every rank must); a step with nothing to step on is the optimizer's own. ``STEPPED`` -> a new step
       cycle, for gradients the caller assigned itself. Once every optimizer of the run stepped, the update follows.
