@@ -91,9 +91,10 @@ bench:
 	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
 ## pr: our patches, upstream test patches, our files and CHANGELOG entries as a new branch of an upstream clone
+##     (patches marked `Forwarded: not-needed` are left out: MAKE_PR_ARGS=--with-not-needed keeps them)
 pr:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)") $(MAKE_PR_ARGS)
 
 ## pr-stack: the stack of small upstream PRs (tools/upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
 ##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
