@@ -103,8 +103,10 @@ pr-stack:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [FORCE=1]" >&2; exit 2; }
 	$(PYTHON) tools/upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
 
-## series-check: the series reviewable one concern at a time: every file claimed by its patch, no patch rewriting an
-##   earlier one (churn < 5%), the recorded master resolutions following the series, and every prefix building,
+## series-check: the series reviewable one concern at a time: every file claimed by its patch, the two layers
+##   (forwarded patches first, each agreeing with its PR of tools/upstream/stack/; then fork-only ones, which may
+##   replace forwarded lines they name in Replaces:), no patch rewriting an earlier one of its layer (churn < 5% in
+##   each), the recorded master resolutions following the series, and every prefix building,
 ##   importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
 series-check: setup
 	$(PY) tools/upstream/check_series.py --tests $(SERIES_TESTS)
