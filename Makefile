@@ -91,9 +91,10 @@ bench:
 	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
 ## pr: our patches, upstream test patches, our files and CHANGELOG entries as a new branch of an upstream clone
+##     (patches marked `Forwarded: not-needed` are left out: MAKE_PR_ARGS=--with-not-needed keeps them)
 pr:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)")
+	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)") $(MAKE_PR_ARGS)
 
 ## pr-stack: the stack of small upstream PRs (tools/upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
 ##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
@@ -102,8 +103,10 @@ pr-stack:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [FORCE=1]" >&2; exit 2; }
 	$(PYTHON) tools/upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
 
-## series-check: the series reviewable one concern at a time: every file claimed by its patch, no patch rewriting an
-##   earlier one (churn < 5%), the recorded master resolutions following the series, and every prefix building,
+## series-check: the series reviewable one concern at a time: every file claimed by its patch, the two layers
+##   (forwarded patches first, each agreeing with its PR of tools/upstream/stack/; then fork-only ones, which may
+##   replace forwarded lines they name in Replaces:), no patch rewriting an earlier one of its layer (churn < 5% in
+##   each), the recorded master resolutions following the series, and every prefix building,
 ##   importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
 series-check: setup
 	$(PY) tools/upstream/check_series.py --tests $(SERIES_TESTS)

@@ -50,7 +50,7 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "cache-clear-after-backward",
-        "autocast's cache is freed after every backward (patch 0005)",
+        "autocast's cache is freed after every backward (patch 0012)",
         PYTORCH_RECIPE,
         "        if self.cache_enabled:\n"
         "            # the graph that needed the cached casts is gone: free them now, as a run without the cache"
@@ -60,7 +60,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cache-clear-after-step",
-        "autocast's cache is cleared after every optimizer step: no stale casts after `opt.step()` (patch 0005)",
+        "autocast's cache is cleared after every optimizer step: no stale casts after `opt.step()` (patch 0012)",
         PYTORCH_RECIPE,
         "        if self.cache_enabled:\n"
         "            # the step changed the weights in place: casts cached before it are stale\n"
@@ -293,7 +293,7 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-step-methods-in-precision",
-        "a LightningModule's step methods run under the precision's autocast on one device (patch 0016)",
+        "a LightningModule's step methods run under the precision's autocast on one device (patch 0006)",
         "fabric/wrappers.py",
         "                return self._in_forward_context(getattr(original_module, item))\n",
         "                return getattr(original_module, item)\n",
@@ -455,7 +455,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cpu-16-mixed-is-float16",
-        "`precision='16-mixed'` on a CPU gets a CPU gradient scaler where torch has one (patch 0018)",
+        "`precision='16-mixed'` on a CPU gets a CPU gradient scaler where torch has one (patch 0023)",
         "fabric/connector.py",
         "    if _TORCH_GREATER_EQUAL_2_3:\n        rank_zero_info(",
         "    if False:\n        rank_zero_info(",

@@ -180,14 +180,17 @@ def test_todays_headers_one_pr_per_patch_and_results(tmp_path: Path) -> None:
 
 
 def test_the_repositorys_series(tmp_path: Path) -> None:
-    """The real headers: every patch is a commit of the description, in series order."""
+    """The real headers: every patch is a commit of the description, in series order, but for those marked
+    `Forwarded: not-needed`, which are not for upstream (make pr leaves them out too)."""
     results = tmp_path / "results"
     done = subprocess.run([sys.executable, str(SCRIPT), "--results", str(results)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     names = [ln.strip() for ln in (REPO / "patches" / "series").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
-    at = [done.stdout.index(f"\n### {name[:4]}. ") for name in names]
+    not_needed = [n for n in names if "\nForwarded: not-needed" in (REPO / "patches" / n).read_text()]
+    assert not_needed and all(f"\n### {name[:4]}. " not in done.stdout for name in not_needed)
+    at = [done.stdout.index(f"\n### {name[:4]}. ") for name in names if name not in not_needed]
     assert at == sorted(at) and "## Proposed split for review" in done.stdout and "Closes #" in done.stdout
     # the documentation commits: our pages and every docs patch, by the first line of its Description
     docs = done.stdout[done.stdout.index("## Documentation") :]

@@ -2,7 +2,12 @@
 
 Standard library only. Two series are read from this repository:
 
-``patches/``                   the fork's patches to upstream's package (``a/src/lightning/...``), the build's series
+``patches/``                   the fork's patches to upstream's package (``a/src/lightning/...``), the build's series,
+                               in two layers (shared/DESIGN.md, "Two layers"): the **forwarded** patches first, each one
+                               pull request of ``stack/`` (``Forwarded: tools/upstream/stack/<NN>-<slug> ...``), then the
+                               **fork-only** ones (``Forwarded: awaiting RFC tools/upstream/rfcs/<NN>-<slug>.md``,
+                               ``awaiting an issue`` or ``not-needed``), which may replace a forwarded patch's lines when
+                               their ``Replaces:`` field names it
 ``tools/upstream/test-patches/``  edits to upstream's *tests* that pin the behaviour our patches change on purpose
                                (``a/tests/...``); upstream test code may not live in our ``tests/``, so these travel as
                                patches, applied only to an upstream checkout (the PR branch, the upstream-test run)
@@ -81,6 +86,38 @@ class SeriesPatch:
     def adds(self) -> list[str]:
         """Our own files that come with this patch's concern (its ``Adds:`` field, one repository path a line)."""
         return self.fields().get("Adds", "").split()
+
+    def layer(self) -> str:
+        """``fork-only`` when its ``Forwarded:`` says ``not-needed`` or ``awaiting ...`` (an RFC, an issue), else
+        ``forwarded`` (``Forwarded: tools/upstream/stack/<NN>-<slug> ...``, the PR it is proposed upstream as, or
+        ``not yet``). The series holds the forwarded layer first, then the fork-only one."""
+        value = self.fields().get("Forwarded", "").strip()
+        return "fork-only" if value.startswith(("not-needed", "awaiting ")) else "forwarded"
+
+    def stack_folder(self) -> str | None:
+        """For a forwarded patch: the folder of ``tools/upstream/stack/`` it is proposed upstream as, or None."""
+        words = self.fields().get("Forwarded", "").split()
+        return words[0].rstrip("/") if words and words[0].startswith("tools/upstream/stack/") else None
+
+    def rfcs(self) -> list[str]:
+        """For a fork-only patch awaiting RFCs: the RFC drafts it names (``tools/upstream/rfcs/<NN>-<slug>.md``)."""
+        value = self.fields().get("Forwarded", "")
+        if not value.startswith("awaiting RFC"):
+            return []
+        return re.findall(r"tools/upstream/rfcs/[\w.-]+\.md", value.split("(", 1)[0])
+
+    def _names(self, field: str) -> list[str]:
+        value = self.fields().get(field, "").split("(", 1)[0]
+        return [word for word in value.split() if word.endswith(".patch")]
+
+    def replaces(self) -> list[str]:
+        """The forwarded patches whose lines this fork-only patch replaces (``Replaces: <name>.patch ... (why)``)."""
+        return self._names("Replaces")
+
+    def stacked_on(self) -> list[str]:
+        """The earlier forwarded patches this one sits on in the series, where its PR does not on master alone
+        (``Stacked-On: <name>.patch ...``)."""
+        return self._names("Stacked-On")
 
     def accompanies(self) -> str | None:
         """For an upstream test patch: the stem of the series patch whose behaviour change it follows, or None."""

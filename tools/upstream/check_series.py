@@ -11,8 +11,14 @@
    ``tools/upstream/fork-only`` (the fork's packaging tests, which upstream does not need). Each upstream test patch
    names, in ``Accompanies:``, the patch whose behaviour change it follows (or ``none``). This is what
    ``make_pr.py`` reads to put every file into the commit of its concern.
-2. **Written once.** No patch removes a line that an earlier patch of the series added (a rewrite or a move): at
-   most ``--max-churn`` (5 %) of the added lines.
+2. **Two layers, each written once.** The series is the forwarded layer (each patch one pull request of
+   ``tools/upstream/stack/``, named in ``Forwarded:``), then the fork-only layer (``Forwarded: awaiting RFC
+   tools/upstream/rfcs/<NN>-<slug>.md``, ``awaiting an issue`` or ``not-needed``). Within each layer no patch removes
+   a line that an earlier patch added (a rewrite or a move): at most ``--max-churn`` (5 %) of the layer's added
+   lines. A fork-only patch may replace a forwarded patch's lines when its ``Replaces:`` field names that patch
+   (declared; not churn); any other removal across the layers counts. Each forwarded patch, in its master form (its
+   recorded resolution, else itself), changes ``src/`` as its stack PR's ``changes.patch`` does: the same lines, or,
+   for a patch ``Stacked-On:`` earlier forwarded patches, nothing but the PR's lines and theirs.
 3. **Every prefix.** For k = 1 .. N: upstream's package from the pinned wheel (hash-checked), patches 1..k, and the
    files patches 1..k add, in a fresh folder; it must byte-compile and import (``lightning``, ``lightning.pytorch``,
    ``lightning.fabric`` and every module patched so far), and pass the tests its patches add: all of them so far
@@ -103,13 +109,20 @@ def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) ->
     return problems
 
 
-def churn(patches: list[SeriesPatch]) -> tuple[int, int, list[str]]:
-    """(lines removed that an earlier patch added, lines added, per-patch detail)."""
+def churn(patches: list[SeriesPatch], layer: str | None = None) -> tuple[int, int, list[str]]:
+    """(lines removed that an earlier patch added, lines added, per-patch detail), over the whole series or, with
+    ``layer``, over that layer's patches (the lines they add, the lines they remove that an earlier patch added).
+
+    A fork-only patch may replace lines that a forwarded patch added when its ``Replaces:`` field names that patch:
+    such a removal is declared, and counts as churn in neither layer. Any other removal of an earlier patch's line is
+    churn, within a layer or across the two."""
     added_before: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    owner: dict[tuple[str, str], list[SeriesPatch]] = collections.defaultdict(list)
     removed_again = total = 0
     detail = []
     for patch in patches:
-        target, mine, again = None, collections.defaultdict(list), 0
+        counted = layer is None or patch.layer() == layer
+        target, mine, again, replaced = None, collections.defaultdict(list), 0, 0
         for line in patch.path.read_text(encoding="utf-8").splitlines():
             if line.startswith("+++ b/"):
                 target = line[6:]
@@ -118,16 +131,127 @@ def churn(patches: list[SeriesPatch]) -> tuple[int, int, list[str]]:
             elif target and line.startswith("-"):
                 if added_before[target][line[1:]] > 0:
                     added_before[target][line[1:]] -= 1
-                    again += 1
+                    by = owner[(target, line[1:])].pop()
+                    if patch.layer() == "fork-only" and by.layer() == "forwarded" and by.name in patch.replaces():
+                        replaced += 1
+                    else:
+                        again += 1
             elif target and line.startswith("+"):
                 mine[target].append(line[1:])
         for path, lines in mine.items():
             added_before[path].update(lines)
-            total += len(lines)
-        removed_again += again
-        if again:
-            detail.append(f"{patch.name} removes {again} line(s) an earlier patch added")
+            for line in lines:
+                owner[(path, line)].append(patch)
+            total += len(lines) if counted else 0
+        if counted:
+            removed_again += again
+            if again:
+                detail.append(f"{patch.name} removes {again} line(s) an earlier patch added")
+            if replaced:
+                detail.append(f"{patch.name} replaces {replaced} line(s) of {', '.join(patch.replaces())} (declared)")
     return removed_again, total, detail
+
+
+def check_layers(patches: list[SeriesPatch]) -> list[str]:
+    """The forwarded layer comes first, each of its patches one PR of ``tools/upstream/stack/`` at most once; the
+    fork-only layer follows, each patch naming RFC drafts that exist; ``Replaces:`` and ``Stacked-On:`` name earlier
+    forwarded patches."""
+    problems = []
+    seen_fork_only = None
+    earlier: dict[str, SeriesPatch] = {}
+    stack: dict[str, str] = {}
+    for patch in patches:
+        where = patch.name
+        if patch.layer() == "fork-only":
+            seen_fork_only = seen_fork_only or patch.name
+            for rfc in patch.rfcs():
+                if not (REPO / rfc).is_file():
+                    problems.append(f"{where} awaits {rfc}, which does not exist")
+            if patch.fields().get("Forwarded", "").startswith("awaiting RFC") and not patch.rfcs():
+                problems.append(f"{where}: `Forwarded: awaiting RFC` names no tools/upstream/rfcs/<NN>-<slug>.md")
+        else:
+            if seen_fork_only:
+                problems.append(f"{where} is forwarded but comes after the fork-only {seen_fork_only}: the forwarded"
+                                " layer comes first")
+            folder = patch.stack_folder()
+            if folder:
+                if not (REPO / folder / "changes.patch").is_file():
+                    problems.append(f"{where} is forwarded as {folder}, which is not a PR of the stack")
+                if folder in stack:
+                    problems.append(f"{where} and {stack[folder]} are both forwarded as {folder}")
+                stack[folder] = patch.name
+            if patch.replaces():
+                problems.append(f"{where}: only a fork-only patch replaces forwarded lines (`Replaces:`)")
+        for field, names in (("Replaces", patch.replaces()), ("Stacked-On", patch.stacked_on())):
+            for name in names:
+                if name not in earlier or earlier[name].layer() != "forwarded":
+                    problems.append(f"{where}: `{field}: {name}` is not an earlier forwarded patch of the series")
+        earlier[patch.name] = patch
+    return problems
+
+
+def src_lines(patch_path: Path) -> dict[str, dict[str, collections.Counter]]:
+    """The lines a diff adds and removes under ``src/`` (CHANGELOGs left out), per file: path -> {"+": ..., "-": ...}."""
+    out: dict[str, dict[str, collections.Counter]] = {}
+    target = None
+    for line in patch_path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[-1]
+            target = path if path.startswith("src/") and not path.endswith("CHANGELOG.md") else None
+        elif line.startswith(("+++ ", "--- ", "index ")):
+            continue
+        elif target and line[:1] in ("+", "-"):
+            out.setdefault(target, {"+": collections.Counter(), "-": collections.Counter()})[line[0]][line[1:]] += 1
+    return out
+
+
+def check_stack(patches: list[SeriesPatch]) -> list[str]:
+    """A forwarded patch and the stack's PR it names change upstream master's ``src/`` alike (one source of truth).
+
+    The patch's master form (its recorded resolution, else the patch) must add and remove exactly the lines the
+    PR's ``changes.patch`` adds and removes under ``src/`` (CHANGELOGs aside: the PR carries upstream's entries, the
+    series ours). A patch stacked on earlier forwarded patches (``Stacked-On:``), which its PR is not on master, must
+    add nothing but lines the PR adds or the patches it is stacked on add, and drop none of the PR's lines."""
+    problems = []
+    by_name = {p.name: p for p in patches}
+    chosen = resolutions_of("master")
+    for patch in patches:
+        folder = patch.stack_folder()
+        if patch.layer() != "forwarded" or not folder or not (REPO / folder / "changes.patch").is_file():
+            continue
+        master_form = chosen.get(patch.name, patch.path)
+        ours, theirs = src_lines(master_form), src_lines(REPO / folder / "changes.patch")
+        where = f"{patch.name} (as on master) and {folder}/changes.patch"
+        if set(ours) != set(theirs):
+            problems.append(f"{where} change different files under src/: {sorted(ours)} and {sorted(theirs)}")
+            continue
+        for path in sorted(ours):
+            if not patch.stacked_on():
+                for sign in "+-":
+                    if ours[path][sign] != theirs[path][sign]:
+                        lines = (ours[path][sign] - theirs[path][sign]) + (theirs[path][sign] - ours[path][sign])
+                        problems.append(f"{where} differ in the lines they {'add' if sign == '+' else 'remove'} in"
+                                        f" {path}:\n" + "".join(f"    {ln}\n" for ln in lines.elements()))
+                continue
+            below: collections.Counter = collections.Counter()
+            for name in patch.stacked_on():
+                below += src_lines(chosen.get(name, by_name[name].path)).get(path, {"+": collections.Counter()})["+"]
+            foreign = ours[path]["+"] - theirs[path]["+"] - below
+            lost = theirs[path]["+"] - ours[path]["+"] - below
+            # a line the PR rewrites that the patches below still need (an import they use) stays as upstream has it
+            kept = theirs[path]["-"] - ours[path]["-"]
+            if sum(lost.values()) <= sum(kept.values()):
+                lost = collections.Counter()
+            for what, lines in (("adds lines the PR does not", foreign), ("drops lines the PR adds", lost)):
+                if lines:
+                    problems.append(f"{where}: {path}: the patch {what} (nor {', '.join(patch.stacked_on())}):\n"
+                                    + "".join(f"    {ln}\n" for ln in lines.elements()))
+    return problems
+
+
+def resolutions_of(base: str) -> dict[str, Path]:
+    folder = RESOLUTIONS / base
+    return {p.name: p for p in sorted(folder.glob("*.patch"))} if folder.is_dir() else {}
 
 
 def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
@@ -138,8 +262,8 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
     - every line the patch adds is in its result, or a later resolution of the same file adds it;
     - it adds nothing but lines the series adds to that file, lines a later resolution removes again, and
       upstream's own lines that the other base had changed (restored);
-    - the last resolution of each file applies, in reverse, to the file as the whole series leaves it: its result
-      is the series' result.
+    - the last resolution of each file applies, in reverse, to the file as the series leaves it after that patch
+      (the patches after it apply to both bases alike): its result is the series' result.
 
     All of this is checked offline against the pinned release, so a change to the series that its resolutions do not
     follow fails here (and in CI), before ``make pr`` meets the other base."""
@@ -149,9 +273,13 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
     if not folders:
         return problems
     original = upstream_package()
-    final = dict(original)
+    state = dict(original)
+    after: dict[str, dict[str, bytes]] = {}  # the package after each patch, for the files the resolutions change
+    resolved = {t for folder in folders for r in folder.glob("*.patch") if r.name in by_name
+                for t in by_name[r.name].targets()}
     for patch in patches:
-        apply_patch(parse(patch.name, patch.path.read_bytes().decode("utf-8")), final)
+        apply_patch(parse(patch.name, patch.path.read_bytes().decode("utf-8")), state)
+        after[patch.name] = {path: state[path[len("src/"):]] for path in resolved}
     for folder in folders:
         chosen = {}
         for resolution in sorted(folder.glob("*.patch")):
@@ -187,7 +315,9 @@ def check_resolutions(patches: list[SeriesPatch]) -> list[str]:
                 if extra:
                     problems.append(f"{where} adds lines the series does not (re-record it):\n"
                                     + "".join(f"    {ln}\n" for ln in extra))
-            if names and not reverse_applies(chosen[names[-1]], path, final[key]):
+            # the last resolution of the file leads where its patch leads the pinned release (the patches after it,
+            # which have no resolution, then apply to both bases alike: the whole series, if none touches the file)
+            if names and not reverse_applies(chosen[names[-1]], path, after[names[-1]][path]):
                 problems.append(f"resolutions/{folder.name}/{names[-1]} does not end {path} where the series does"
                                 " (its result is not the series' result; re-record it)")
     return problems
@@ -357,11 +487,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         patches = read_series(SOURCE_PATCHES)
         problems = check_claims(patches, read_series(TEST_PATCHES)) + check_resolutions(patches)
-        again, total, detail = churn(patches)
-        share = again / total if total else 0.0
-        log(f"churn: {again} of {total} added lines are removed again by a later patch ({share:.1%})")
-        if share > args.max_churn:
-            problems.append(f"churn {share:.1%} is above {args.max_churn:.0%}:\n  " + "\n  ".join(detail))
+        problems += check_layers(patches) + check_stack(patches)
+        for layer in ("forwarded", "fork-only"):
+            again, total, detail = churn(patches, layer)
+            share = again / total if total else 0.0
+            log(f"churn, {layer} layer: {again} of {total} added lines are removed again by a later patch"
+                f" ({share:.1%}){''.join(chr(10) + '  ' + d for d in detail)}")
+            if share > args.max_churn:
+                problems.append(f"churn in the {layer} layer {share:.1%} is above {args.max_churn:.0%}:\n  "
+                                + "\n  ".join(detail))
         if problems:
             print("\n".join(f"- {p}" for p in problems), file=sys.stderr)
             return 1

@@ -21,6 +21,10 @@ HEAD (a 2.6.x tag or master) and commits, in order:
 3. the documentation: our pages under ``docs/source-pytorch/`` with the first patch of ``docs/patches/series``, then
    one commit per further docs patch (the includes and links that put our pages into upstream's docs).
 
+The series' patches marked ``Forwarded: not-needed`` (fork-only and not meant for upstream, e.g.
+0023-cpu-16-mixed-is-float16.patch) are left out, with their own files, accompanying test patches and CHANGELOG
+entries; ``--with-not-needed`` keeps them (the whole fork as one branch). The forwarded layer and the fork-only
+patches awaiting an RFC or an issue are all kept: the branch is what upstream could take, one concern a commit.
 Our files listed in ``tools/upstream/fork-only`` (the fork's packaging tests) are left out; a file of ours that no
 patch claims stops the run. A patch that does not apply (nor a resolution of it) stops the run with the patch's name
 and, file by file, git's reason; the checkout is then put back exactly as it was (original branch checked out, the
@@ -343,7 +347,8 @@ def add_changelog(checkout: Path, sections: dict[str, list[str]]) -> None:
 # --- main ------------------------------------------------------------------------------------------------------------
 
 
-def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool = True) -> list[str]:
+def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool = True,
+            with_not_needed: bool = False) -> list[str]:
     """Build the branch; returns a report, one line per commit. Raises Failure after restoring the checkout."""
     if not (checkout / ".git").exists():
         raise Failure(f"{checkout} is not a git checkout (expected an upstream Lightning clone with a work tree)")
@@ -368,6 +373,10 @@ def make_pr(checkout: Path, branch: str, repo: Path = REPO, test_patches: bool =
             "our files that no patch claims (name them in the `Adds:` field of their patch, or in"
             " tools/upstream/fork-only):\n" + "\n".join(f"  {name}" for name in missing)
         )
+    if not with_not_needed:
+        left_out = [patch for patch in source if patch.fields().get("Forwarded", "").startswith("not-needed")]
+        source = [patch for patch in source if patch not in left_out]
+        report += [f"left out  {patch.name} (Forwarded: not-needed)" for patch in left_out]
     accompanying: dict[str, list[SeriesPatch]] = {}
     for test in tests:
         accompanying.setdefault(test.accompanies() or "", []).append(test)
@@ -428,11 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", required=True, type=Path, help="an upstream Lightning git checkout")
     parser.add_argument("--branch", default=None, help=f"the new branch (default: {default_branch()})")
     parser.add_argument("--no-test-patches", action="store_true", help="leave upstream's tests as they are")
+    parser.add_argument("--with-not-needed", action="store_true",
+                        help="also the patches marked `Forwarded: not-needed` (left out by default)")
     args = parser.parse_args(argv)
     checkout = args.upstream.expanduser().resolve()
     branch = args.branch or default_branch()
     try:
-        report = make_pr(checkout, branch, test_patches=not args.no_test_patches)
+        report = make_pr(checkout, branch, test_patches=not args.no_test_patches,
+                         with_not_needed=args.with_not_needed)
     except Conflict as err:
         print(f"make_pr: STOPPED: {err}\nmake_pr: {checkout} is back as it was; branch {branch} was not kept",
               file=sys.stderr)

@@ -7,7 +7,8 @@
 Prints the description (Markdown) and writes it to ``<results>/PR.md`` (default ``tools/upstream/results/``, ignored
 by git). What it reads:
 
-- the header of each patch of ``patches/series``, in series order (one commit of the PR each):
+- the header of each patch of ``patches/series``, in series order (one commit of the PR each), but for the patches
+  marked ``Forwarded: not-needed``, which ``make pr`` leaves out too:
 
   ``Description:`` first line: the commit's subject; continuation lines: why (a `` .`` line between paragraphs)
   ``Bug:``         upstream issue URLs (``https://github.com/Lightning-AI/pytorch-lightning/issues/18089``), separated
@@ -186,6 +187,16 @@ def commits_section(commits: list[Commit]) -> list[str]:
     return out
 
 
+#: the numbers ("0023") of the patches marked `Forwarded: not-needed`, left out of the PR (set by main)
+LEFT_OUT: set[str] = set()
+
+
+def numbers_of(entry: str) -> set[str]:
+    """The patch numbers a CHANGELOG entry ends with (``... (0011, 0017)``)."""
+    match = re.search(r"\(([^()]*)\)\s*$", entry)
+    return set(re.findall(r"(?<![#/\w])(\d{4})(?!\d)", match.group(1))) if match else set()
+
+
 def changelog_changed(changelog: Path) -> tuple[list[str], str | None]:
     """The "Changed" entries of the "Unreleased" section, without our patch numbers; or why there are none."""
     if make_pr is None or not hasattr(make_pr, "read_unreleased"):
@@ -197,6 +208,8 @@ def changelog_changed(changelog: Path) -> tuple[list[str], str | None]:
     except Failure as err:
         return [], str(err)
     changed = next((entries for name, entries in sections.items() if name.lower() == "changed"), [])
+    # entries that only patches left out (`Forwarded: not-needed`) make, as make_pr.py leaves them out
+    changed = [e for e in changed if not (numbers_of(e) and numbers_of(e) <= LEFT_OUT)]
     return [e.removeprefix("- ") for e in changed], None if changed else "its Unreleased section has no Changed entries"
 
 
@@ -441,8 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     patches_dir = args.patches.resolve()
     repo = REPO if patches_dir == REPO or REPO in patches_dir.parents else None  # our checkout: check Adds: there
     try:
-        patches = read_series(patches_dir)
-        test_patches = read_series(args.test_patches.resolve())
+        # as make_pr.py does: the patches marked `Forwarded: not-needed` are not for upstream, nor their test patches
+        every = read_series(patches_dir)
+        patches = [p for p in every if not p.fields().get("Forwarded", "").startswith("not-needed")]
+        left_out = {p.stem for p in every} - {p.stem for p in patches}
+        LEFT_OUT.update(stem[:4] for stem in left_out)
+        test_patches = [t for t in read_series(args.test_patches.resolve()) if t.accompanies() not in left_out]
     except Failure as err:
         print(f"pr_description: {err}", file=sys.stderr)
         return 2
