@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PYTORCH_RECIPE = "pytorch/plugins/precision/amp_recipe.py"
 FABRIC_RECIPE = "fabric/plugins/precision/amp_recipe.py"
+FABRIC_PLUGIN = "fabric/plugins/precision/amp_recipe_precision.py"
 PRECISION_TESTS = "tests/tests_pytorch/plugins/precision"
 FABRIC_TESTS = "tests/tests_fabric/plugins/precision"
 
@@ -145,7 +146,7 @@ MUTATIONS = (
     Mutation(
         "fabric-watch",
         "the same under Fabric, for the optimizers `fabric.setup` wraps",
-        FABRIC_RECIPE,
+        FABRIC_PLUGIN,
         "            self._recipe.watch_unscaled_backward([wrapper.optimizer])\n",
         "            pass\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "backward or raw"),
@@ -153,7 +154,7 @@ MUTATIONS = (
     Mutation(
         "fabric-teardown-unwatches",
         "Fabric's teardown takes the watch's hooks off the parameters",
-        FABRIC_RECIPE,
+        FABRIC_PLUGIN,
         "            self._scaler_recipe.finish()\n            self._scaler_recipe.unwatch()\n        super().teardown()\n",
         "            self._scaler_recipe.finish()\n        super().teardown()\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
