@@ -254,7 +254,7 @@ MUTATIONS = (
     ),
     Mutation(
         "trainer-clip-returns-the-norm",
-        "`self.clip_gradients` returns the total norm of the unscaled gradients (patch 0014)",
+        "`self.clip_gradients` returns the total norm of the unscaled gradients (patch 0021)",
         "pytorch/core/module.py",
         "        return self.trainer.precision_plugin.clip_gradients(",
         "        self.trainer.precision_plugin.clip_gradients(",
@@ -262,7 +262,7 @@ MUTATIONS = (
     ),
     Mutation(
         "schedulers-hold-on-skipped-steps",
-        "a step-interval LR scheduler does not advance on a skipped step (patch 0006)",
+        "a step-interval LR scheduler does not advance on a skipped step (patch 0013)",
         "pytorch/loops/training_epoch_loop.py",
         "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer)\n",
         "                    and False\n",
@@ -270,7 +270,7 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-save-carries-the-scale",
-        "`fabric.save` stores the scaler's state for a state without the plugin (patch 0013)",
+        "`fabric.save` stores the scaler's state for a state without the plugin (patch 0019)",
         "fabric/fabric.py",
         "        if precision_state and not self._holds_precision_state(unwrapped_state):\n",
         "        if False:\n",
@@ -278,7 +278,7 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-clip-tolerates-overflow",
-        "`fabric.clip_gradients` under a scaler does not raise on an overflow step by default (patch 0014)",
+        "`fabric.clip_gradients` under a scaler does not raise on an overflow step by default (patch 0020)",
         "fabric/fabric.py",
         '                error_if_nonfinite = getattr(self._precision, "scaler", None) is None\n',
         "                error_if_nonfinite = True\n",
@@ -286,7 +286,7 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-training-iteration",
-        "`fabric.training_iteration()` opens an iteration: one update per iteration in a GAN loop (patch 0015)",
+        "`fabric.training_iteration()` opens an iteration: one update per iteration in a GAN loop (patch 0022)",
         "fabric/fabric.py",
         "        self._precision.training_iteration_start()\n",
         "",
@@ -448,7 +448,7 @@ MUTATIONS = (
     ),
     Mutation(
         "pytree-leaf-spec",
-        "a leaf's tree spec comes from `treespec_leaf()`, without torch's deprecation warning (patch 0017)",
+        "a leaf's tree spec comes from `treespec_leaf()`, without torch's deprecation warning (patch 0007)",
         "pytorch/utilities/_pytree.py",
         "        return [pytree], treespec_leaf()\n",
         "        return [pytree], LeafSpec()\n",

@@ -20,8 +20,8 @@ Two things about Fabric shape the tests (both are stock Fabric 2.6.6 behaviour, 
 
 * Stock Fabric routes a LightningModule's step methods through ``forward`` (autocast, input conversion) only when a
   strategy wraps the module (DDP, FSDP); on one device ``model.training_step(...)`` ran without autocast. The fork
-  (patch 0018) routes them on one device too, so calling it plainly, inside ``fabric.autocast()`` or through the
-  forward route (see :data:`ROUTES`) all train like the Trainer.
+  (patch fabric-step-methods-under-precision) routes them on one device too, so calling it plainly, inside
+  ``fabric.autocast()`` or through the forward route (see :data:`ROUTES`) all train like the Trainer.
 * Through ``forward``, Fabric casts every floating-point argument to the autocast dtype, the targets too; the Trainer
   does not. The batches are therefore on a dyadic grid (multiples of 1/64 in [-2, 2)), which fp16 and bf16 represent
   exactly, so that cast changes nothing (:func:`test_why_the_batches_are_dyadic`).

@@ -94,8 +94,7 @@ def fabric(package: str, fused: bool, two: bool) -> dict[str, torch.Tensor]:
     module = importlib.import_module(package) if package != STOCK else pytest.importorskip(STOCK, reason=NO_STOCK)
     Fabric = module.Fabric
     MixedPrecision = importlib.import_module(f"{package}.plugins.precision").MixedPrecision
-    fab = Fabric(accelerator="cpu", devices=1,
-                 plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())])
+    fab = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())])
     first, second = _models()
     opts = _optimizers(first, second, fused, two)
     model = torch.nn.Sequential(first, second)

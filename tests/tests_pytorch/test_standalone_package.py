@@ -115,8 +115,14 @@ def lightning(package: str, manual: bool, fused: bool) -> dict[str, torch.Tensor
 
     module = Module()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())],
         **({} if manual else {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
     )

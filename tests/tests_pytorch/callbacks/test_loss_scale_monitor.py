@@ -197,7 +197,8 @@ def test_raises_without_a_gradient_scaler(precision):
 def test_raises_for_16_mixed_that_became_bf16_on_cpu(monkeypatch):
     """``Trainer(accelerator="cpu", precision="16-mixed")`` on torch < 2.3 (faked here) trains in bf16 (no scaler): the
     monitor says so. (From torch 2.3 the flag gets a CPU scaler: tests_pytorch/plugins/precision/test_cpu_16_mixed.)"""
-    monkeypatch.setattr(fabric_connector, "_TORCH_GREATER_EQUAL_2_3", False, raising=False)  # before patch 0018 too
+    # `raising=False`: the flag exists only from the patch cpu-16-mixed-is-float16 on
+    monkeypatch.setattr(fabric_connector, "_TORCH_GREATER_EQUAL_2_3", False, raising=False)
     with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
         cpu_16 = Trainer(
             accelerator="cpu",

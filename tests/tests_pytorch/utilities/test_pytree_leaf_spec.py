@@ -41,8 +41,15 @@ def test_leaf_spec_is_a_leaf():
 
 
 def test_fit_does_not_warn_about_leaf_spec(tmp_path):
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=2,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(BoringModel())

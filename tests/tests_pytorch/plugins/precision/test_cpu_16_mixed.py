@@ -1,7 +1,7 @@
 """``Trainer(accelerator="cpu", precision="16-mixed")`` trains in float16 with ``torch.amp.GradScaler("cpu")``.
 
 Stock Lightning turns the flag into bf16-mixed on a CPU ("AMP with fp16 is not supported on CPU"), which torch 2.3
-made untrue. The fork (patch 0018, fork-only) gives the flag what
+made untrue. The fork (patch cpu-16-mixed-is-float16, fork-only) gives the flag what
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]`` gives, with one info line that
 float16 is slow on most CPUs, and keeps the fallback, with a warning naming what is missing, on torch < 2.3.
 
@@ -48,8 +48,16 @@ def _quiet():
 
 def cpu_16_mixed_trainer(**kwargs):
     return lightning_api(FORK).Trainer(
-        accelerator="cpu", devices=1, precision="16-mixed", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs
+        accelerator="cpu",
+        devices=1,
+        precision="16-mixed",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
     )
 
 
@@ -61,7 +69,8 @@ def test_the_flag_gets_a_cpu_gradient_scaler(caplog):
     assert type(plugin) is lightning_api(FORK).MixedPrecision
     assert (plugin.precision, plugin.device) == ("16-mixed", "cpu")
     assert isinstance(plugin.scaler, torch.amp.GradScaler)
-    assert plugin.scaler.is_enabled() and plugin.scaler._device == "cpu"
+    assert plugin.scaler.is_enabled()
+    assert plugin.scaler._device == "cpu"
     assert plugin.autocast_context_manager().fast_dtype is torch.float16
     assert caplog.text.count(SLOW_CPU_INFO) == 1
 
@@ -78,23 +87,28 @@ def test_the_flag_trains_as_the_recipe(mode):
     rc.get_scale = rc.scaler.get_scale
     recipe_plain(rc, configure(rc.net))
     expected = rc.result()
-    assert any(expected.changed) and 0.5 in {b / a for a, b in zip(expected.scales, expected.scales[1:])}
+    assert any(expected.changed)
+    assert 0.5 in {b / a for a, b in zip(expected.scales, expected.scales[1:])}
 
     api = lightning_api(FORK)
-    module = api.RecipeModule(copy.deepcopy(net), configure, auto_plain if automatic else manual_plain, automatic,
-                              "16-mixed")
+    module = api.RecipeModule(
+        copy.deepcopy(net), configure, auto_plain if automatic else manual_plain, automatic, "16-mixed"
+    )
     recorder = api.Recorder()
     cpu_16_mixed_trainer(callbacks=[recorder]).fit(module, train_dataloaders=Batches())
     assert len(recorder.changed) == N_BATCHES
-    actual = RunResult(params={name: p.detach().clone() for name, p in module.net.named_parameters()},
-                       scales=recorder.scales, changed=recorder.changed)
+    actual = RunResult(
+        params={name: p.detach().clone() for name, p in module.net.named_parameters()},
+        scales=recorder.scales,
+        changed=recorder.changed,
+    )
     assert_same_run(actual, expected)
 
 
 def test_falls_back_to_bf16_where_torch_cannot(monkeypatch):
     """torch < 2.3 has neither a CPU gradient scaler nor float16 autocast on a CPU (here faked on any torch)."""
     monkeypatch.setattr(fabric_connector, "_TORCH_GREATER_EQUAL_2_3", False)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="16-mixed") as record:
         plugin = cpu_16_mixed_trainer().precision_plugin
     (message,) = [str(w.message) for w in record if "16-mixed" in str(w.message)]
     assert message == (

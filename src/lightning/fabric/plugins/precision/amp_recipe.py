@@ -996,6 +996,16 @@ class _ScalerRecipeHolder:
                 " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
             )
 
+    def training_iteration_start(self) -> None:
+        """A loop opens a training iteration (the precision plugins' hook of both packages)."""
+        if self.scaler is not None:
+            self._recipe.iteration_start()
+
+    def training_iteration_end(self) -> None:
+        """A loop closes a training iteration, also when it raised: the iteration's single update."""
+        if self.scaler is not None:
+            self._recipe.iteration_end()
+
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
         self._optimizer_wrappers.add(wrapper)
 

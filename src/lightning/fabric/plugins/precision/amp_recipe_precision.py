@@ -74,16 +74,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         super().teardown()
 
     @override
-    def training_iteration_start(self) -> None:
-        if self.scaler is not None:
-            self._recipe.iteration_start()
-
-    @override
-    def training_iteration_end(self) -> None:
-        if self.scaler is not None:
-            self._recipe.iteration_end()
-
-    @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)

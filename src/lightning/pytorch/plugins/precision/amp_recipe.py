@@ -205,16 +205,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         return self._recipe.step_was_skipped(self._unwrap(optimizer)[0])
 
     @override
-    def training_iteration_start(self) -> None:
-        if self.scaler is not None:
-            self._recipe.iteration_start()
-
-    @override
-    def training_iteration_end(self) -> None:
-        if self.scaler is not None:
-            self._recipe.iteration_end()
-
-    @override
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}
