@@ -72,7 +72,7 @@ MUTATIONS = (
     Mutation(
         "cache-off-in-manual-optimization",
         "the cache stays off in manual optimization, where weights may change in place between forwards (issue 12.2.9)",
-        PYTORCH_RECIPE,
+        "pytorch/plugins/precision/amp.py",
         "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE and not manual",
         "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and inplace"),

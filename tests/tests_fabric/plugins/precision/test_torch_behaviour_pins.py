@@ -123,8 +123,8 @@ def test_autocast_weight_cache_was_stale_under_no_grad_before_torch_2_11():
     """pytorch#165068, fixed in torch 2.11: before, a cast cached under ``torch.no_grad`` (an EMA teacher's forward) is
     reused by a later forward with grad enabled, whose output then has no ``grad_fn``.
 
-    The fork turns autocast's weight cache on by default only from torch 2.11 (``_AUTOCAST_CACHE_IS_SAFE``) and refuses
-    ``cache_enabled=True`` before; this test fails the day that gate and torch disagree.
+    The fork turns autocast's weight cache on by default only from torch 2.11 (``_AUTOCAST_CACHE_IS_SAFE``) and
+    refuses ``cache_enabled=True`` before; this test fails the day that gate and torch disagree.
     """
     layer = nn.Linear(4, 4)
     x = torch.randn(2, 4)

@@ -14,10 +14,9 @@ import torch
 from tests_fabric.helpers.torch_features import requires_cpu_fp16_autocast
 from torch import nn
 
-from lightning.fabric.plugins.precision.amp_recipe import _AUTOCAST_CACHE_IS_SAFE
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.plugins.precision.amp import _is_autocast_cache_dtype_mismatch
+from lightning.pytorch.plugins.precision.amp import _AUTOCAST_CACHE_IS_SAFE, _is_autocast_cache_dtype_mismatch
 
 needs_safe_cache = pytest.mark.skipif(
     not _AUTOCAST_CACHE_IS_SAFE, reason="autocast's cache is refused before torch 2.11"

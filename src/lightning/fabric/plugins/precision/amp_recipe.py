@@ -35,7 +35,6 @@ only code that reads torch's private per-optimizer scaler state, and writes it i
 import enum
 import functools
 import inspect
-import operator
 import weakref
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
@@ -43,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.imports import compare_version
 from torch import Tensor
 from torch.optim import LBFGS, SGD, Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -54,8 +52,6 @@ try:  # torch >= 2.3
 except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
     from torch.cuda.amp.grad_scaler import OptState
 
-# Autocast's weight cache went stale under ``torch.no_grad`` before pytorch#165068 (fixed in torch 2.11).
-_AUTOCAST_CACHE_IS_SAFE = compare_version("torch", operator.ge, "2.11.0", use_base_version=True)
 #: how many scaler updates the watch for backwards without the scale stays on once armed (each fit, each
 #: `fabric.setup`): a loop's misuse shows in its first iterations, and afterwards the watch costs nothing per step
 WATCHED_UPDATES = 8

@@ -35,7 +35,6 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import (
-    _AUTOCAST_CACHE_IS_SAFE,
     _autocast_enabled,
     _ScalerRecipeHolder,
 )
@@ -59,8 +58,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     _lbfgs_error = MisconfigurationException
     # whether the subclass's autocast caches casts; off unless it says so
     cache_enabled: bool = False
-    # the user left `cache_enabled` unset: `connect` turns the cache on where it is safe, in automatic optimization
-    _cache_follows_optimization_mode: bool = False
 
     @property
     def _autocast_device(self) -> str:
@@ -73,15 +70,15 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         self._check_scaler()
         module = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
         manual = module is not None and not module.automatic_optimization
-        if self._cache_follows_optimization_mode:
-            # a `training_step` in manual optimization may edit weights in place between two forwards (inner-loop
-            # updates, clamping, perturbations); autocast's cache cannot see that, so it stays off there
-            self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE and not manual
+        self._on_optimization_mode(manual)
         if manual and self.scaler is not None:
             # `loss.backward()` instead of `self.manual_backward(loss)`, or a step of the raw optimizer, would leave
             # gradients the scaler did not scale, or step on scaled ones: both raise instead of training silently wrong
             self._recipe.watch_unscaled_backward(optimizers)
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _on_optimization_mode(self, manual: bool) -> None:
+        """At ``connect``: whether the LightningModule optimizes manually, for a subclass that adapts to it."""
 
     @override
     def teardown(self) -> None:
