@@ -512,6 +512,15 @@ MUTATIONS = (
         "            self._settle()\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "goes_when_training_ends"),
     ),
+    Mutation(
+        "lightning-scaler-tells-the-plugin",
+        "the scaler Lightning creates marks the backward of what it scales: the recipe written by hand with it is not"
+        " taken for `loss.backward()` (issue 21.7, patch 0024)",
+        "fabric/plugins/precision/lightning_scaler.py",
+        "                    tensor.grad_fn.register_prehook(functools.partial(_scaled_backward_begins, watch))\n",
+        "                    pass\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "by_hand"),
+    ),
 )
 
 
