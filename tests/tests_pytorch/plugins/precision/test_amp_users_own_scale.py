@@ -5,6 +5,7 @@ fork's misuse watch, which refuses gradients a backward without the scale accumu
 scale is still refused."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -66,3 +67,11 @@ def test_the_recipe_by_hand_with_lightnings_scaler_trains_as_torchs():
 def test_a_backward_without_the_scale_is_still_refused():
     with pytest.raises(RuntimeError, match="without the loss scale"):
         _fit(HandWrittenRecipe(scaled=False))
+
+
+def test_a_pickled_plugin_is_still_told_by_its_scaler():
+    """Launchers pickle the plugin (``ddp_spawn``): the copy of Lightning's scaler tells the copy of the plugin."""
+    plugin = make_trainer(lightning_api(FORK), "16-mixed", scaler="lightning").precision_plugin
+    assert plugin.scaler._plugin is plugin
+    copied = pickle.loads(pickle.dumps(plugin))
+    assert copied.scaler._plugin is copied

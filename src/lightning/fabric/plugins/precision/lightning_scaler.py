@@ -46,28 +46,23 @@ class _TellsThePlugin:
     """``scale()`` marks the backward of what it returns as carrying the scale, while the plugin serving it watches for
     backwards without the scale."""
 
-    _plugin: Optional["weakref.ref[Any]"] = None
+    # the plugin that owns this scaler: a strong reference (the two live and die together), so that both are pickled
+    # together when a launcher pickles the plugin (`ddp_spawn`), and the copy still tells the copy
+    _plugin: Optional[Any] = None
 
     def serve(self, plugin: Any) -> None:
         """Tell ``plugin`` (a precision plugin driving this scaler) about each loss this scaler scales."""
-        self._plugin = weakref.ref(plugin)
+        self._plugin = plugin
 
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)  # type: ignore[misc]
-        plugin = None if self._plugin is None else self._plugin()
-        recipe = getattr(plugin, "_scaler_recipe", None)
+        recipe = getattr(self._plugin, "_scaler_recipe", None)
         if recipe is not None and recipe.watched:
             watch = weakref.ref(recipe._watch)
             for tensor in _tensors(scaled):
                 if tensor.grad_fn is not None:
                     tensor.grad_fn.register_prehook(functools.partial(_scaled_backward_begins, watch))
         return scaled
-
-    def __getstate__(self) -> dict[str, Any]:
-        # launchers pickle plugins (`ddp_spawn`): the plugin's reference stays in this process
-        state: dict[str, Any] = super().__getstate__()  # type: ignore[assignment]
-        state.pop("_plugin", None)
-        return state
 
 
 class _LightningGradScaler(_TellsThePlugin, _AmpGradScaler):
