@@ -30,6 +30,7 @@ from tests_pytorch.helpers.amp_recipe import (
     assert_same_run,
     auto_plain,
     lightning_api,
+    make_trainer,
     manual_plain,
     mlp,
     one_optimizer,
@@ -47,18 +48,8 @@ def _quiet():
 
 
 def cpu_16_mixed_trainer(**kwargs):
-    return lightning_api(FORK).Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="16-mixed",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    """The flag alone: Lightning creates the scaler."""
+    return make_trainer(lightning_api(FORK), "16-mixed", scaler="lightning", **kwargs)
 
 
 @requires_cpu_16_mixed
