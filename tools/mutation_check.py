@@ -521,6 +521,23 @@ MUTATIONS = (
         "                    pass\n",
         (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "by_hand"),
     ),
+    Mutation(
+        "users-scaler-is-served",
+        "a scaler of torch's own class that the user passes gets the subclass that tells the plugin, in place: the"
+        " recipe written by hand with it is not taken for `loss.backward()` (issue 21.7, patch 0024)",
+        "fabric/plugins/precision/lightning_scaler.py",
+        "        scaler.__class__ = _served_class(cls)\n",
+        "        return\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "users-scaler"),
+    ),
+    Mutation(
+        "fsdp-precision-serves-its-scaler",
+        "`FSDPPrecision`'s `ShardedGradScaler` tells the plugin about the losses it scales (issue 21.7, patch 0024)",
+        "pytorch/plugins/precision/fsdp.py",
+        "        _serve(self.scaler, self)  # tells the plugin about the losses it scales (the misuse watch)\n",
+        "        pass\n",
+        (f"{PRECISION_TESTS}/test_fsdp_users_own_scale.py",),
+    ),
 )
 
 

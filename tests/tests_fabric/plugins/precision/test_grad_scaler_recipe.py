@@ -12,6 +12,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -400,6 +401,49 @@ def test_watch_flags_a_plain_backward_at_the_step():
         recipe.step(opt)
     assert _same(net, before)
     recipe.unwatch()
+
+
+def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_nothing():
+    """Two runs (two plugins, e.g. two Trainers in two threads of a hyper-parameter search): while the scaled backward
+    of one is in flight in its thread, a backward without the scale onto the other's parameters, in another thread, is
+    still seen. The count of scaled backwards in flight belongs to a run, not to the process."""
+    net_a, opt_a, twin_a, twin_opt_a = _twins()
+    net_b, opt_b, _, _ = _twins()
+    recipe_a, recipe_b, scaler = GradScalerRecipe(_scaler()), GradScalerRecipe(_scaler()), _scaler()
+    recipe_a.watch_unscaled_backward([opt_a])
+    recipe_b.watch_unscaled_backward([opt_b])
+    in_flight, plain_done, errors = threading.Event(), threading.Event(), []
+
+    def pause(grad: torch.Tensor) -> torch.Tensor:  # A's backward waits, mid-flight, for B's plain backward
+        in_flight.set()
+        if not plain_done.wait(30):
+            errors.append("B's backward did not finish")
+        return grad
+
+    def run_a() -> None:
+        try:
+            with recipe_a.backward():
+                loss = recipe_a.scale(_loss(net_a))
+                loss.register_hook(pause)
+                loss.backward()
+        except Exception as error:  # surfaced in the test's thread
+            errors.append(error)
+
+    thread_a = threading.Thread(target=run_a)
+    thread_a.start()
+    assert in_flight.wait(30)
+    _loss(net_b).backward()  # this thread, during A's scaled backward: B's misuse
+    plain_done.set()
+    thread_a.join(30)
+    assert not errors
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        recipe_b.step(opt_b)
+    recipe_a.step(opt_a)  # A's gradients carry the scale: A trains as torch's recipe
+    scaler.scale(_loss(twin_a)).backward()
+    scaler.step(twin_opt_a)
+    assert _same(net_a, twin_a)
+    recipe_a.unwatch()
+    recipe_b.unwatch()
 
 
 def test_watch_flags_a_plain_backward_before_a_scaled_one():

@@ -1,8 +1,8 @@
-"""PyTorch's AMP recipe written by hand with Lightning's own scaler, in manual optimization under 16-mixed:
+"""PyTorch's AMP recipe written by hand with the plugin's scaler, in manual optimization under 16-mixed:
 ``self.trainer.precision_plugin.scaler.scale(loss).backward()``, then ``opt.step()``. Stock Lightning trains it; the
 fork's misuse watch, which refuses gradients a backward without the scale accumulated, must not take it for
-``loss.backward()``: the scaler Lightning creates tells the plugin about the losses it scales. A backward without the
-scale is still refused."""
+``loss.backward()``: the plugin's scaler (the one Lightning creates, or one of torch's classes the user passes) tells
+the plugin about the losses it scales. A backward without the scale is still refused."""
 
 import copy
 import pickle
@@ -12,7 +12,9 @@ import torch
 from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 from torch import nn
 
+from lightning.fabric.plugins.precision.lightning_scaler import _TellsThePlugin
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
 
 # `precision="16-mixed"` gets a CPU scaler from Lightning from torch 2.3
@@ -43,17 +45,27 @@ class HandWrittenRecipe(LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=2)
 
 
-def _fit(model: LightningModule) -> Trainer:
-    trainer = make_trainer(lightning_api(FORK), "16-mixed", scaler="lightning")
+def _fit(model: LightningModule, scaler="lightning") -> Trainer:
+    trainer = make_trainer(lightning_api(FORK), "16-mixed", scaler=scaler)
     trainer.fit(model)
     return trainer
 
 
-def test_the_recipe_by_hand_with_lightnings_scaler_trains_as_torchs():
+def _users_scaler() -> GradScaler:
+    # a power-of-two scale that the model's float16 gradients overflow at first: the scale backs off, then grows
+    return GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
+
+
+@pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
+def test_the_recipe_by_hand_with_the_plugins_scaler_trains_as_torchs(users):
     model = HandWrittenRecipe()
     twin = copy.deepcopy(model.layer)
-    trainer = _fit(model)
-    opt, scaler = torch.optim.SGD(twin.parameters(), lr=0.1), GradScaler("cpu")  # Lightning's scaler's defaults
+    passed = _users_scaler() if users else None
+    trainer = _fit(model, passed if users else "lightning")
+    if users:
+        assert trainer.precision_plugin.scaler is passed  # the user's object, served in place
+    # Lightning's scaler's defaults, or the user's settings
+    opt, scaler = torch.optim.SGD(twin.parameters(), lr=0.1), _users_scaler() if users else GradScaler("cpu")
     for batch in model.train_dataloader():
         with torch.autocast("cpu", dtype=torch.float16):  # the `training_step`'s backward runs under autocast too
             scaler.scale(twin(batch).float().pow(2).mean()).backward()
@@ -64,9 +76,41 @@ def test_the_recipe_by_hand_with_lightnings_scaler_trains_as_torchs():
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
 
 
-def test_a_backward_without_the_scale_is_still_refused():
+@pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
+def test_a_backward_without_the_scale_is_still_refused(users):
     with pytest.raises(RuntimeError, match="without the loss scale"):
-        _fit(HandWrittenRecipe(scaled=False))
+        _fit(HandWrittenRecipe(scaled=False), _users_scaler() if users else "lightning")
+
+
+def test_a_users_scaler_of_torchs_class_is_served_in_place():
+    """The plugin gives the user's scaler a subclass of its own class: the same object, state and settings, still a
+    ``GradScaler``; a copy and a pickle keep the subclass and the state."""
+    scaler = _users_scaler()
+    scaler.scale(torch.ones(()))
+    scaler.update(2.0**10)  # state the plugin must not lose
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    assert plugin.scaler is scaler
+    assert isinstance(scaler, GradScaler) and isinstance(scaler, _TellsThePlugin)
+    assert scaler._plugin is plugin
+    assert (scaler.get_scale(), scaler.get_growth_interval()) == (2.0**10, 1)
+    for copied in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert type(copied) is type(scaler)
+        assert copied.state_dict() == scaler.state_dict()
+        assert type(copied._plugin) is MixedPrecision and copied._plugin.scaler is copied
+    # a second plugin (a second Trainer) takes the same scaler over, and its class stays the one subclass
+    served = type(scaler)
+    assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler._plugin is not plugin
+    assert type(scaler) is served
+
+
+def test_a_scaler_of_the_users_own_subclass_is_left_as_it_is():
+    class MyScaler(GradScaler):
+        pass
+
+    scaler = MyScaler("cpu")
+    MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    assert type(scaler) is MyScaler
+    assert not isinstance(scaler, _TellsThePlugin)
 
 
 def test_a_pickled_plugin_is_still_told_by_its_scaler():

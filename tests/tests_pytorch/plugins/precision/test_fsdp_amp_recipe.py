@@ -111,11 +111,14 @@ class TwoOptimizersOneBackward(LightningModule):
         optimizers = self.optimizers()
         for opt in optimizers:
             opt.zero_grad()
-        self.manual_backward(_loss(self.first, self.second, x, y, batch_idx))
+        self.backward_of(_loss(self.first, self.second, x, y, batch_idx))
         for opt in optimizers:
             self.clip_gradients(opt, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
         for opt in optimizers:
             opt.step()
+
+    def backward_of(self, loss: torch.Tensor) -> None:
+        self.manual_backward(loss)
 
     def configure_optimizers(self):
         return _optimizers(self.first, self.second, self.fused)

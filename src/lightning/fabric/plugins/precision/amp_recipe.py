@@ -383,8 +383,11 @@ class _UnscaledBackwardWatch:
         self._is_ready = is_ready
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.accumulations: dict[int, Tensor] = {}
-        # scaled backwards running: a count, not a flag per thread, since the autograd engine runs hooks of CUDA
-        # tensors on its device threads, and a reentrant checkpoint backpropagates in a nested backward
+        # scaled backwards of this run in flight: a count per run (another run's, in another thread, hides nothing),
+        # not per thread, since the autograd engine runs the hooks of CUDA tensors on its device threads, and not per
+        # graph task, since a reentrant checkpoint backpropagates in a nested one. So within one run, a backward
+        # without the scale that another thread runs during a scaled one goes unseen: a missed misuse, never a false
+        # error
         self._scaled_backward_depth = 0
         self._recipe_steps: set[int] = set()
         self.ends_at_update = 0
@@ -567,7 +570,8 @@ class GradScalerRecipe:
         return record
 
     def _candidates(self, optimizers: Callable[[], Iterable[Any]] = tuple) -> list[Any]:
-        return list({id(o): o for o in (*self._records.keys(), *self._optimizers(), *optimizers())}.values())
+        others = () if optimizers == self._optimizers else optimizers()  # the plugins pass the recipe's own
+        return list({id(o): o for o in (*self._records.keys(), *self._optimizers(), *others)}.values())
 
     # ---- events -------------------------------------------------------------------------------------------------
 

@@ -11,19 +11,25 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The gradient scaler Lightning creates for ``precision="16-mixed"``: torch's own, which also tells the precision
-plugin about each loss it scales.
+"""The gradient scaler of a Lightning precision plugin tells the plugin about each loss it scales.
 
 The plugin watches, in the first iterations of a fit, for gradients that a backward *without* the loss scale
 accumulated (``loss.backward()`` instead of ``self.manual_backward(loss)``). A user who writes PyTorch's recipe by hand
-with Lightning's scaler, ``self.trainer.precision_plugin.scaler.scale(loss).backward()``, runs a backward the plugin did
-not start; this scaler marks it as carrying the scale, as the plugin's own backward is, so that it is not taken for
-``loss.backward()``. A scaler the user passes is theirs, and stays as it is: its ``scale()`` cannot be seen.
+with the plugin's scaler, ``self.trainer.precision_plugin.scaler.scale(loss).backward()``, runs a backward the plugin
+did not start; the scaler marks it as carrying the scale, as the plugin's own backward is, so that it is not taken for
+``loss.backward()``.
+
+One mechanism serves every scaler of torch's own classes, the one Lightning creates and the one a user passes alike:
+:func:`_serve` gives the scaler object a subclass of its class that adds this to ``scale()`` (the same object, its
+state and its behaviour otherwise unchanged, ``isinstance`` as before; a copy or a pickle keeps it). A scaler of the
+user's own subclass stays as it is: its ``scale()`` cannot be seen, and the hand-written recipe then needs
+``self.manual_backward(loss)``.
 
 Example::
 
-    scaler = _lightning_grad_scaler("cuda")
-    plugin = MixedPrecision("16-mixed", "cuda", scaler=scaler)  # `serve(plugin)` is called by the plugin
+    scaler = torch.amp.GradScaler("cuda")
+    plugin = MixedPrecision("16-mixed", "cuda", scaler=scaler)  # calls `_serve(scaler, plugin)`
+    assert plugin.scaler is scaler and isinstance(scaler, _TellsThePlugin)
 
 """
 
@@ -33,8 +39,6 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-
-from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_4
 
 try:  # torch >= 2.3
     from torch.amp import GradScaler as _AmpGradScaler
@@ -49,6 +53,11 @@ class _TellsThePlugin:
     # the plugin that owns this scaler: a strong reference (the two live and die together), so that both are pickled
     # together when a launcher pickles the plugin (`ddp_spawn`), and the copy still tells the copy
     _plugin: Optional[Any] = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # the class is made at run time (`_served_class`): a copy or a pickle rebuilds it from torch's class
+        torch_class = next(c for c in type(self).__mro__[1:] if not issubclass(c, _TellsThePlugin))
+        return _rebuild, (torch_class,), self.__getstate__()
 
     def serve(self, plugin: Any) -> None:
         """Tell ``plugin`` (a precision plugin driving this scaler) about each loss this scaler scales."""
@@ -65,13 +74,29 @@ class _TellsThePlugin:
         return scaled
 
 
-class _LightningGradScaler(_TellsThePlugin, _AmpGradScaler):
-    """``torch.amp.GradScaler`` (on torch < 2.3 CUDA's), telling the plugin it serves about the losses it scales."""
+def _serve(scaler: Optional[Any], plugin: Any) -> None:
+    """Make ``scaler`` (the plugin's: created by Lightning or passed by the user) tell ``plugin`` about each loss it
+    scales, if its class is torch's own (``GradScaler`` of ``torch.amp``, ``torch.cuda.amp`` or ``torch.cpu.amp``, or
+    FSDP's ``ShardedGradScaler``)."""
+    if scaler is None:
+        return
+    cls = type(scaler)
+    if not isinstance(scaler, _TellsThePlugin):
+        if not (isinstance(scaler, _AmpGradScaler) and cls.__module__.split(".")[0] == "torch"):
+            return  # the user's own subclass: theirs to keep as it is
+        scaler.__class__ = _served_class(cls)
+    scaler.serve(plugin)
 
 
-def _lightning_grad_scaler(device: str) -> _LightningGradScaler:
-    """The scaler Lightning creates for ``device``: ``GradScaler(device)``, or CUDA's before torch 2.4, as before."""
-    return _LightningGradScaler(device=device) if _TORCH_GREATER_EQUAL_2_4 else _LightningGradScaler()
+@functools.lru_cache(maxsize=None)
+def _served_class(torch_class: type) -> type:
+    return type(
+        f"_Lightning{torch_class.__name__}", (_TellsThePlugin, torch_class), {"__module__": __name__, "__doc__": None}
+    )
+
+
+def _rebuild(torch_class: type) -> Any:
+    return _served_class(torch_class).__new__(_served_class(torch_class))
 
 
 def _tensors(scaled: Any) -> list[Tensor]:
