@@ -522,6 +522,33 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "by_hand"),
     ),
     Mutation(
+        "watch-per-thread",
+        "the misuse watch counts scaled backwards by the Python thread that runs them: a backward without the scale in"
+        " another thread of the same run is seen (issue 21, the watch)",
+        FABRIC_RECIPE,
+        "        return threading.get_ident() in self._in_flight_per_thread\n",
+        "        return self._in_flight > 0\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "same_run"),
+    ),
+    Mutation(
+        "watch-engine-thread-scaled-backward",
+        "while a scaled backward runs on an engine thread (a CUDA loss's node), every hook goes by the run's count: no"
+        " false error for the CPU parameters of that backward (issue 21, the watch)",
+        FABRIC_RECIPE,
+        "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
+        "        if _on_an_engine_thread():\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
+    ),
+    Mutation(
+        "watch-engine-thread-hook",
+        "a hook on an engine thread (CUDA's device threads) goes by the run's count: no false error for a scaled"
+        " backward's CUDA parameters (issue 21, the watch)",
+        FABRIC_RECIPE,
+        "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
+        "        if self._in_flight_on_engine_threads:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
+    ),
+    Mutation(
         "users-scaler-is-served",
         "a scaler of torch's own class that the user passes gets the subclass that tells the plugin, in place: the"
         " recipe written by hand with it is not taken for `loss.backward()` (issue 21.7, patch 0024)",

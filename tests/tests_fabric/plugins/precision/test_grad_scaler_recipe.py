@@ -11,6 +11,7 @@ import os
 import random
 import socket
 import subprocess
+import _thread
 import sys
 import threading
 from datetime import timedelta
@@ -403,6 +404,56 @@ def test_watch_flags_a_plain_backward_at_the_step():
     recipe.unwatch()
 
 
+class _PausedScaledBackward:
+    """A scaled backward of ``recipe`` onto ``net``, in a thread of its own, paused mid-flight until :meth:`finish`.
+    ``engine_thread``: a thread Python's ``threading`` did not start, as the autograd engine's own threads are (CUDA's
+    device threads, which run the node of a CUDA loss)."""
+
+    def __init__(self, recipe: GradScalerRecipe, net: nn.Module, engine_thread: bool = False) -> None:
+        self.errors: list = []
+        self.in_flight, self._go_on, self._done = threading.Event(), threading.Event(), threading.Event()
+        self._recipe, self._net = recipe, net
+        if engine_thread:
+            _thread.start_new_thread(self._run, ())
+        else:
+            threading.Thread(target=self._run).start()
+        assert self.in_flight.wait(30)
+
+    def _pause(self, grad: torch.Tensor) -> torch.Tensor:
+        self.in_flight.set()
+        if not self._go_on.wait(30):
+            self.errors.append("not resumed")
+        return grad
+
+    def _run(self) -> None:
+        try:
+            with self._recipe.backward():
+                loss = self._recipe.scale(_loss(self._net))
+                loss.register_hook(self._pause)
+                loss.backward()
+        except Exception as error:  # surfaced in the test's thread
+            self.errors.append(error)
+        finally:
+            self.in_flight.set()
+            self._done.set()
+
+    def finish(self) -> None:
+        self._go_on.set()
+        assert self._done.wait(30)
+        assert not self.errors
+
+
+def _in_a_thread(fn, engine_thread: bool = False) -> None:
+    done = threading.Event()
+
+    def run() -> None:
+        fn()
+        done.set()
+
+    _thread.start_new_thread(run, ()) if engine_thread else threading.Thread(target=run).start()
+    assert done.wait(30)
+
+
 def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_nothing():
     """Two runs (two plugins, e.g. two Trainers in two threads of a hyper-parameter search): while the scaled backward
     of one is in flight in its thread, a backward without the scale onto the other's parameters, in another thread, is
@@ -412,30 +463,9 @@ def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_noth
     recipe_a, recipe_b, scaler = GradScalerRecipe(_scaler()), GradScalerRecipe(_scaler()), _scaler()
     recipe_a.watch_unscaled_backward([opt_a])
     recipe_b.watch_unscaled_backward([opt_b])
-    in_flight, plain_done, errors = threading.Event(), threading.Event(), []
-
-    def pause(grad: torch.Tensor) -> torch.Tensor:  # A's backward waits, mid-flight, for B's plain backward
-        in_flight.set()
-        if not plain_done.wait(30):
-            errors.append("B's backward did not finish")
-        return grad
-
-    def run_a() -> None:
-        try:
-            with recipe_a.backward():
-                loss = recipe_a.scale(_loss(net_a))
-                loss.register_hook(pause)
-                loss.backward()
-        except Exception as error:  # surfaced in the test's thread
-            errors.append(error)
-
-    thread_a = threading.Thread(target=run_a)
-    thread_a.start()
-    assert in_flight.wait(30)
+    paused = _PausedScaledBackward(recipe_a, net_a)
     _loss(net_b).backward()  # this thread, during A's scaled backward: B's misuse
-    plain_done.set()
-    thread_a.join(30)
-    assert not errors
+    paused.finish()
     with pytest.raises(RuntimeError, match="without the loss scale"):
         recipe_b.step(opt_b)
     recipe_a.step(opt_a)  # A's gradients carry the scale: A trains as torch's recipe
@@ -444,6 +474,86 @@ def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_noth
     assert _same(net_a, twin_a)
     recipe_a.unwatch()
     recipe_b.unwatch()
+
+
+def test_watch_sees_a_backward_without_the_scale_in_another_thread_of_the_same_run():
+    """One run, two threads: while a scaled backward is in flight in one, a backward without the scale in the other is
+    still seen (the watch counts scaled backwards by the thread that runs them), and the scaled one trains as torch's
+    recipe."""
+    net_a, opt_a, twin_a, twin_opt_a = _twins()
+    net_b, opt_b, _, _ = _twins()
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.watch_unscaled_backward([opt_a, opt_b])
+    paused = _PausedScaledBackward(recipe, net_a)
+    _loss(net_b).backward()  # this thread, during the scaled backward in the other
+    paused.finish()
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        recipe.step(opt_b)
+    recipe.step(opt_a)
+    scaler.scale(_loss(twin_a)).backward()
+    scaler.step(twin_opt_a)
+    assert _same(net_a, twin_a)
+    recipe.unwatch()
+
+
+@pytest.mark.parametrize("scaled_on_engine_thread", [True, False], ids=["scaled-on-engine", "plain-on-engine"])
+def test_watch_goes_by_the_runs_count_on_the_engines_threads(scaled_on_engine_thread):
+    """The autograd engine's own threads (CUDA's device threads) run the nodes of every thread's backward, and the CPU
+    parameters of a CUDA loss's backward run their hooks on the caller's thread, while its loss's node ran on a device
+    thread. So a hook on an engine thread, or any hook while a scaled backward runs on one, counts as scaled while the
+    run has a scaled backward in flight: never a false error (a concurrent misuse there goes unseen, as documented).
+    Emulated with threads that Python's ``threading`` did not start."""
+    net_a, opt_a, _, _ = _twins()
+    net_b, opt_b, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt_a, opt_b])
+    paused = _PausedScaledBackward(recipe, net_a, engine_thread=scaled_on_engine_thread)
+    _in_a_thread(lambda: _loss(net_b).backward(), engine_thread=not scaled_on_engine_thread)
+    paused.finish()
+    recipe.step(opt_a)
+    recipe.step(opt_b)  # not refused
+    recipe.unwatch()
+
+
+@pytest.mark.parametrize("engine_thread", [False, True], ids=["python-thread", "engine-thread"])
+def test_watch_refuses_a_backward_without_the_scale_in_any_thread_when_none_is_scaled(engine_thread):
+    net, opt, _, _ = _twins()
+    recipe = GradScalerRecipe(_scaler())
+    recipe.watch_unscaled_backward([opt])
+    _in_a_thread(lambda: _loss(net).backward(), engine_thread=engine_thread)
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        recipe.step(opt)
+    recipe.unwatch()
+
+
+def test_watch_takes_a_reentrant_checkpoint_for_the_scaled_backward_it_is_part_of():
+    """``checkpoint(..., use_reentrant=True)`` backpropagates its segment in a nested backward (a graph task of its
+    own) on the outer one's thread: its accumulations carry the scale, bitwise as torch's recipe."""
+    from torch.utils.checkpoint import checkpoint
+
+    def loss_of(net: nn.Module) -> torch.Tensor:
+        hidden = net[0](torch.ones(2, 4))  # requires grad: the checkpointed segment's input
+        return checkpoint(lambda h: net[1:](h), hidden, use_reentrant=True).float().pow(2).mean()
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = copy.deepcopy(net)
+    opt, twin_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.watch_unscaled_backward([opt])
+    for _ in range(3):
+        with recipe.backward():
+            recipe.scale(loss_of(net)).backward()
+        recipe.step(opt)
+        recipe.iteration_end()
+        opt.zero_grad()
+        scaler.scale(loss_of(twin)).backward()
+        scaler.step(twin_opt)
+        scaler.update()
+        twin_opt.zero_grad()
+    assert _same(net, twin)
+    assert recipe.scaler.get_scale() == scaler.get_scale()
+    recipe.unwatch()
 
 
 def test_watch_flags_a_plain_backward_before_a_scaled_one():

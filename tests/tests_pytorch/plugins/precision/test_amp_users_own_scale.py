@@ -11,6 +11,7 @@ import pytest
 import torch
 from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning.fabric.plugins.precision.lightning_scaler import _TellsThePlugin
 from lightning.pytorch import LightningModule, Trainer
@@ -76,6 +77,38 @@ def test_the_recipe_by_hand_with_the_plugins_scaler_trains_as_torchs(users):
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
 
 
+class HandWrittenRecipeCheckpointed(HandWrittenRecipe):
+    """The same with a reentrant activation checkpoint: its segment backpropagates in a nested backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        hidden = checkpoint(self.layer, batch, use_reentrant=False)
+        loss = checkpoint(self.head, hidden, use_reentrant=True).float().pow(2).mean()
+        self.trainer.precision_plugin.scaler.scale(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_recipe_by_hand_with_a_reentrant_checkpoint_trains_as_torchs():
+    model = HandWrittenRecipeCheckpointed()
+    layer, head = copy.deepcopy(model.layer), copy.deepcopy(model.head)
+    trainer = _fit(model)
+    opt = torch.optim.SGD([*layer.parameters(), *head.parameters()], lr=0.1)
+    scaler = GradScaler("cpu")
+    for batch in model.train_dataloader():
+        with torch.autocast("cpu", dtype=torch.float16):
+            scaler.scale(head(layer(batch)).float().pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), [*layer.parameters(), *head.parameters()]))
+    assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
+
+
 @pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
 def test_a_backward_without_the_scale_is_still_refused(users):
     with pytest.raises(RuntimeError, match="without the loss scale"):
@@ -90,13 +123,15 @@ def test_a_users_scaler_of_torchs_class_is_served_in_place():
     scaler.update(2.0**10)  # state the plugin must not lose
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     assert plugin.scaler is scaler
-    assert isinstance(scaler, GradScaler) and isinstance(scaler, _TellsThePlugin)
+    assert isinstance(scaler, GradScaler)
+    assert isinstance(scaler, _TellsThePlugin)
     assert scaler._plugin is plugin
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (2.0**10, 1)
     for copied in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
         assert type(copied) is type(scaler)
         assert copied.state_dict() == scaler.state_dict()
-        assert type(copied._plugin) is MixedPrecision and copied._plugin.scaler is copied
+        assert type(copied._plugin) is MixedPrecision
+        assert copied._plugin.scaler is copied
     # a second plugin (a second Trainer) takes the same scaler over, and its class stays the one subclass
     served = type(scaler)
     assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler._plugin is not plugin

@@ -4,6 +4,7 @@ take it for ``loss.backward()``: the plugin's ``ShardedGradScaler``, created by 
 the plugin about the losses it scales (patch 0024). On a CPU, through a one-process gloo group, as in
 ``test_fsdp_amp_recipe.py``, whose model, recipe and set-up these tests share."""
 
+import pytest
 import torch
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_sharded_grad_scaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -24,6 +25,7 @@ class HandWrittenBackward(TwoOptimizersOneBackward):
         self.trainer.precision_plugin.scaler.scale(loss).backward()
 
 
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available")  # the scaler it creates is CUDA's
 def test_the_scaler_fsdp_precision_creates_tells_it():
     created = FSDPPrecision("16-mixed")
     assert isinstance(created.scaler, ShardedGradScaler)

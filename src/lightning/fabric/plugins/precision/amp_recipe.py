@@ -35,6 +35,7 @@ only code that reads torch's private per-optimizer scaler state, and writes it i
 import enum
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
@@ -242,7 +243,7 @@ class _TorchScalerAdapter:
         """torch keys the state by ``id()``, which a collected optimizer hands on to the next object (an inner-loop
         optimizer created per step): a new optimizer never inherits its stage."""
         release = weakref.finalize(optimizer, _set_aside_collected, weakref.ref(self), id(optimizer))
-        release.atexit = False  # at interpreter exit there is no next optimizer to protect
+        release.atexit = False  # type: ignore[misc]  # at interpreter exit there is no next optimizer to protect
 
     def drop_empty(self, optimizer: Optional[Any] = None) -> None:
         """Drop the entry of ``optimizer`` (``None``: of every optimizer) that recorded no inf check."""
@@ -383,12 +384,15 @@ class _UnscaledBackwardWatch:
         self._is_ready = is_ready
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.accumulations: dict[int, Tensor] = {}
-        # scaled backwards of this run in flight: a count per run (another run's, in another thread, hides nothing),
-        # not per thread, since the autograd engine runs the hooks of CUDA tensors on its device threads, and not per
-        # graph task, since a reentrant checkpoint backpropagates in a nested one. So within one run, a backward
-        # without the scale that another thread runs during a scaled one goes unseen: a missed misuse, never a false
-        # error
-        self._scaled_backward_depth = 0
+        # this run's scaled backwards in flight (another run's hide nothing), by the Python thread that runs them, so
+        # that a backward without the scale in another thread is seen; a reentrant checkpoint's nested backward runs
+        # on the thread of the outer one. The autograd engine's own threads (CUDA's device threads) run the nodes of
+        # every thread's backward: a hook there, or any hook while a scaled backward runs on one (the CPU parameters
+        # of a CUDA loss's backward), can only go by the count of the run, and misses a concurrent misuse there
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._in_flight_per_thread: dict[int, int] = {}
+        self._in_flight_on_engine_threads = 0
         self._recipe_steps: set[int] = set()
         self.ends_at_update = 0
 
@@ -420,11 +424,30 @@ class _UnscaledBackwardWatch:
     def scaled_backward(self) -> Generator[None, None, None]:
         """A backward of a loss the scaler scaled: what it accumulates carries the scale."""
         self.refuse("a scaled backward")
-        self._scaled_backward_depth += 1
+        thread, on_engine_thread = threading.get_ident(), _on_an_engine_thread()
+        with self._lock:
+            self._in_flight += 1
+            if on_engine_thread:
+                self._in_flight_on_engine_threads += 1
+            else:
+                self._in_flight_per_thread[thread] = self._in_flight_per_thread.get(thread, 0) + 1
         try:
             yield
         finally:
-            self._scaled_backward_depth -= 1
+            with self._lock:
+                self._in_flight -= 1
+                if on_engine_thread:
+                    self._in_flight_on_engine_threads -= 1
+                elif self._in_flight_per_thread[thread] > 1:
+                    self._in_flight_per_thread[thread] -= 1
+                else:
+                    del self._in_flight_per_thread[thread]
+
+    def carries_the_scale(self) -> bool:
+        """Whether the backward that runs the current hook is a scaled backward of this run."""
+        if self._in_flight_on_engine_threads or _on_an_engine_thread():
+            return self._in_flight > 0
+        return threading.get_ident() in self._in_flight_per_thread
 
     def refuse(self, where: str, optimizer: Optional[Any] = None) -> None:
         """Raise if parameters (of ``optimizer``, or any) hold live gradients a backward without the scale
@@ -472,8 +495,13 @@ class _UnscaledBackwardWatch:
 
 def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
     watch = watch_ref()
-    if watch is not None and watch._scaled_backward_depth == 0:
+    if watch is not None and not watch.carries_the_scale():
         watch.accumulations[id(param)] = param
+
+
+def _on_an_engine_thread() -> bool:
+    # a thread that Python's `threading` did not start: the autograd engine's (or one started with `_thread`)
+    return isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:

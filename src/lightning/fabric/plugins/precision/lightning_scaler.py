@@ -35,7 +35,7 @@ Example::
 
 import functools
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -80,23 +80,29 @@ def _serve(scaler: Optional[Any], plugin: Any) -> None:
     FSDP's ``ShardedGradScaler``)."""
     if scaler is None:
         return
-    cls = type(scaler)
     if not isinstance(scaler, _TellsThePlugin):
+        cls = type(scaler)
         if not (isinstance(scaler, _AmpGradScaler) and cls.__module__.split(".")[0] == "torch"):
             return  # the user's own subclass: theirs to keep as it is
         scaler.__class__ = _served_class(cls)
-    scaler.serve(plugin)
+    cast(_TellsThePlugin, scaler).serve(plugin)
 
 
-@functools.lru_cache(maxsize=None)
+_SERVED_CLASSES: dict[type, type] = {}
+
+
 def _served_class(torch_class: type) -> type:
-    return type(
-        f"_Lightning{torch_class.__name__}", (_TellsThePlugin, torch_class), {"__module__": __name__, "__doc__": None}
-    )
+    """The subclass of ``torch_class`` that tells the plugin, one per class (so that ``type()`` compares equal)."""
+    served = _SERVED_CLASSES.get(torch_class)
+    if served is None:
+        name = f"_Lightning{torch_class.__name__}"
+        served = type(name, (_TellsThePlugin, torch_class), {"__module__": __name__, "__doc__": None})
+        _SERVED_CLASSES[torch_class] = served
+    return served
 
 
 def _rebuild(torch_class: type) -> Any:
-    return _served_class(torch_class).__new__(_served_class(torch_class))
+    return object.__new__(_served_class(torch_class))
 
 
 def _tensors(scaled: Any) -> list[Tensor]:
