@@ -549,6 +549,15 @@ MUTATIONS = (
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
     ),
     Mutation(
+        "marked-backward-ends-with-iteration",
+        "a scaled backward the scaler marked, which an exception left (no end-of-backward callback), ends with its"
+        " iteration: it does not hide a later backward without the scale (issue 21, exceptions as transitions)",
+        FABRIC_RECIPE,
+        "        self._watch.end_unfinished()\n        self._settle()\n        self.phase = IterationPhase.OUTSIDE\n",
+        "        self._settle()\n        self.phase = IterationPhase.OUTSIDE\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raised"),
+    ),
+    Mutation(
         "users-scaler-is-served",
         "a scaler of torch's own class that the user passes gets the subclass that tells the plugin, in place: the"
         " recipe written by hand with it is not taken for `loss.backward()` (issue 21.7, patch 0024)",

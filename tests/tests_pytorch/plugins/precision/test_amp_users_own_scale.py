@@ -109,6 +109,35 @@ def test_the_recipe_by_hand_with_a_reentrant_checkpoint_trains_as_torchs():
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
 
 
+class HandWrittenBackwardRaisesThenPlain(HandWrittenRecipe):
+    """The first batch's hand-written scaled backward raises midway (caught: an OOM retried, say), so the autograd
+    engine never runs its end-of-backward callback; the second batch calls ``loss.backward()``."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        hidden = self.layer(batch)
+        loss = hidden.float().pow(2).mean()
+        if batch_idx == 0:
+            hidden.register_hook(self._fail)
+            with pytest.raises(RuntimeError, match="midway"):
+                self.trainer.precision_plugin.scaler.scale(loss).backward()
+            opt.zero_grad()
+            return
+        loss.backward()
+        opt.step()
+
+    @staticmethod
+    def _fail(grad):
+        raise RuntimeError("the backward failed midway")
+
+
+def test_a_hand_written_backward_that_raised_ends_with_its_iteration():
+    """The scaled backward an exception left no longer counts once its iteration ended: the next batch's backward
+    without the scale is refused."""
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        _fit(HandWrittenBackwardRaisesThenPlain())
+
+
 @pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
 def test_a_backward_without_the_scale_is_still_refused(users):
     with pytest.raises(RuntimeError, match="without the loss scale"):

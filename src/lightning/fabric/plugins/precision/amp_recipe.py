@@ -393,6 +393,8 @@ class _UnscaledBackwardWatch:
         self._in_flight = 0
         self._in_flight_per_thread: dict[int, int] = {}
         self._in_flight_on_engine_threads = 0
+        # the ends of scaled backwards that the scaler marked at their loss's node (the recipe written by hand)
+        self._marked_ends: dict[object, Callable[[], None]] = {}
         self._recipe_steps: set[int] = set()
         self.ends_at_update = 0
 
@@ -442,6 +444,26 @@ class _UnscaledBackwardWatch:
                     self._in_flight_per_thread[thread] -= 1
                 else:
                     del self._in_flight_per_thread[thread]
+
+    def marked_scaled_backward_begins(self) -> Callable[[], None]:
+        """A backward that the scaler marked at its scaled loss's node has begun: a scaled backward until the returned
+        end is called (at the end of the backward), or until :meth:`end_unfinished` (an exception left it: the
+        autograd engine then runs no end-of-backward callback)."""
+        scope = self.scaled_backward()
+        scope.__enter__()
+        token = object()
+
+        def end() -> None:
+            if self._marked_ends.pop(token, None) is not None:
+                scope.__exit__(None, None, None)
+
+        self._marked_ends[token] = end
+        return end
+
+    def end_unfinished(self) -> None:
+        """The iteration ended: no backward of it is in flight any more, and marked ones an exception left end now."""
+        for end in list(self._marked_ends.values()):
+            end()
 
     def carries_the_scale(self) -> bool:
         """Whether the backward that runs the current hook is a scaled backward of this run."""
@@ -769,6 +791,7 @@ class GradScalerRecipe:
 
     def iteration_end(self) -> None:
         """A loop closes a training iteration: the iteration's single ``scaler.update()``."""
+        self._watch.end_unfinished()
         self._settle()
         self.phase = IterationPhase.OUTSIDE
 
@@ -811,6 +834,7 @@ class GradScalerRecipe:
         ``on_train_epoch_end``) is applied, as the recipe applies it right after those steps."""
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
+        self._watch.end_unfinished()
         self._skips.release()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -117,8 +117,5 @@ def _scaled_backward_begins(watch_ref: "weakref.ref[Any]", grad_outputs: Any) ->
     """The backward reached the scaled loss (its node runs first): the watch counts it as a scaled backward until the
     end of this backward, as for the plugin's own (the refusal of gradients without the scale included)."""
     watch = watch_ref()
-    if watch is None:
-        return
-    backward = watch.scaled_backward()
-    backward.__enter__()
-    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(backward.__exit__, None, None, None))
+    if watch is not None:
+        torch.autograd.Variable._execution_engine.queue_callback(watch.marked_scaled_backward_begins())
