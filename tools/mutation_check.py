@@ -508,8 +508,8 @@ MUTATIONS = (
         "skip-signal-hooks-released",
         "the step hooks of the skip signal go when training ends: a raw optimizer kept after the fit pays nothing",
         FABRIC_RECIPE,
-        "            self._settle()\n        self._skips.release()\n",
-        "            self._settle()\n",
+        "        self._watch.end_unfinished()\n        self._skips.release()\n",
+        "        self._watch.end_unfinished()\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "goes_when_training_ends"),
     ),
     Mutation(
