@@ -558,6 +558,22 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raised"),
     ),
     Mutation(
+        "plugins-backward-marked-once",
+        "the plugin's own backward is marked by the plugin only, not a second time by its scaler (patch 0024)",
+        FABRIC_RECIPE,
+        '        return getattr(self.scaler, "scale_unmarked", self.scaler.scale)(loss)\n',
+        "        return self.scaler.scale(loss)\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "marked_once"),
+    ),
+    Mutation(
+        "fabric-precision-serves-its-scaler",
+        "Fabric's `MixedPrecision` and `FSDPPrecision` serve their scaler too (patch 0024)",
+        "fabric/plugins/precision/fsdp.py",
+        "        _serve(self.scaler, self)  # tells the plugin about the losses it scales (the misuse watch)\n",
+        "        pass\n",
+        (f"{FABRIC_TESTS}/test_lightning_scaler.py",),
+    ),
+    Mutation(
         "users-scaler-is-served",
         "a scaler of torch's own class that the user passes gets the subclass that tells the plugin, in place: the"
         " recipe written by hand with it is not taken for `loss.backward()` (issue 21.7, patch 0024)",

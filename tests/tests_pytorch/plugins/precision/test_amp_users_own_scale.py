@@ -6,6 +6,7 @@ the plugin about the losses it scales. A backward without the scale is still ref
 
 import copy
 import pickle
+import threading
 
 import pytest
 import torch
@@ -75,6 +76,29 @@ def test_the_recipe_by_hand_with_the_plugins_scaler_trains_as_torchs(users):
         opt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.layer.parameters(), twin.parameters()))
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
+
+
+class PluginsBackwardSeesItsMarks(HandWrittenRecipe):
+    """``self.manual_backward(loss)`` with Lightning's scaler, recording during the backward how many times the watch
+    counts it as a scaled backward on this thread."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        watch = self.trainer.precision_plugin._recipe._watch
+        self.marks = []
+        hidden = self.layer(batch)
+        hidden.register_hook(lambda grad: self.marks.append(watch._in_flight_per_thread.get(threading.get_ident())))
+        self.manual_backward(hidden.float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_plugins_own_backward_is_marked_once():
+    """The plugin's backward marks itself; Lightning's scaler does not mark it a second time (on CUDA its mark would
+    run on a device thread, and turn every hook of the backward to the run's count)."""
+    model = PluginsBackwardSeesItsMarks()
+    _fit(model)
+    assert model.marks == [1]
 
 
 class HandWrittenRecipeCheckpointed(HandWrittenRecipe):
@@ -166,15 +190,6 @@ def test_a_users_scaler_of_torchs_class_is_served_in_place():
     assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler._plugin is not plugin
     assert type(scaler) is served
 
-
-def test_a_scaler_of_the_users_own_subclass_is_left_as_it_is():
-    class MyScaler(GradScaler):
-        pass
-
-    scaler = MyScaler("cpu")
-    MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    assert type(scaler) is MyScaler
-    assert not isinstance(scaler, _TellsThePlugin)
 
 
 def test_a_pickled_plugin_is_still_told_by_its_scaler():

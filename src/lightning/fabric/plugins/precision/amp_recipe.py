@@ -47,7 +47,6 @@ from torch import Tensor
 from torch.optim import LBFGS, SGD, Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-
 try:  # torch >= 2.3
     from torch.amp.grad_scaler import OptState
 except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
@@ -645,7 +644,9 @@ class GradScalerRecipe:
         if self._records or self._torch.has_inf_checks():
             for optimizer in self._candidates(optimizers):
                 self._begin_step_cycle(optimizer)
-        return self.scaler.scale(loss)
+        # the caller's `backward()` marks this backward: a scaler that marks the backwards of what it scales
+        # (`lightning_scaler`) is asked not to, again
+        return getattr(self.scaler, "scale_unmarked", self.scaler.scale)(loss)
 
     def _begin_step_cycle(self, optimizer: Any) -> None:
         self._torch.adopt(optimizer, self._aliases(optimizer))

@@ -63,6 +63,10 @@ class _TellsThePlugin:
         """Tell ``plugin`` (a precision plugin driving this scaler) about each loss this scaler scales."""
         self._plugin = plugin
 
+    def scale_unmarked(self, outputs: Any) -> Any:
+        """``scale()`` without the mark: for the plugin's own backward, which marks itself."""
+        return super().scale(outputs)  # type: ignore[misc]
+
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)  # type: ignore[misc]
         recipe = getattr(self._plugin, "_scaler_recipe", None)
