@@ -14,8 +14,12 @@ reference there would conflict with the companion given beside it.
 How an installer's clone is recognised (neither pip nor uv tells the build where its source came from):
 
 * pip clones into a temporary folder named ``pip-req-build-*`` whose ``origin`` is the URL the user gave;
-* uv checks the commit out of its own clone (``<uv cache>/git-v*/db/<id>``) into ``<uv cache>/git-v*/checkouts/...``
-  and keeps no other trace of the URL, so the reference names uv's clone, which lives as long as the cached wheel.
+* uv checks the commit out of its own clone (``<uv cache>/git-v*/db/<id>``) into ``<uv cache>/git-v*/checkouts/...``,
+  whose ``origin`` is that clone. uv fills its clone with ``git fetch <URL> ...``, and git records the URL it fetched
+  from in the clone's ``FETCH_HEAD`` (without credentials): the reference names that URL, the one the user gave, so
+  that ``uv.lock`` and ``uv pip freeze`` name the companion portably (a reference to uv's cache folder breaks
+  ``uv sync`` on any other machine and after ``uv cache clean``). Only when ``FETCH_HEAD`` names no URL outside uv's
+  cache does the reference fall back to uv's clone, which lives as long as the cached wheel.
 """
 
 from __future__ import annotations
@@ -59,7 +63,31 @@ def installer_clone_url(root: Path) -> Optional[str]:
     if _PIP_CLONE.match(root.name):
         return origin
     if _in_uv_cache(root, "checkouts") and _in_uv_cache(Path(origin), "db"):
-        return Path(origin).resolve().as_uri()
+        return _fetched_from(Path(origin)) or Path(origin).resolve().as_uri()
+    return None
+
+
+def _fetched_from(clone: Path) -> Optional[str]:
+    """The URL that uv's clone ``clone`` was last fetched from, as its ``FETCH_HEAD`` names it; None when it names
+    none, or only another folder of uv's cache."""
+    fetch_head = _git(clone, "rev-parse", "--git-path", "FETCH_HEAD")
+    if fetch_head is None:
+        return None
+    path = Path(fetch_head) if Path(fetch_head).is_absolute() else clone / fetch_head
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        # "<sha>\t[not-for-merge]\t<URL>" or "<sha>\t[not-for-merge]\t<what> of <URL>" (a URL holds no spaces)
+        fields = line.split("\t")
+        if len(fields) < 3 or not fields[2].strip():
+            continue
+        url = fields[2].strip().rsplit(" of ", 1)[-1]
+        local = Path(url[len("file://"):]) if url.startswith("file://") else Path(url) if "://" not in url else None
+        if local is not None and (_in_uv_cache(local, "db") or _in_uv_cache(local, "checkouts")):
+            continue
+        return url
     return None
 
 

@@ -1,0 +1,107 @@
+"""A uv project that adds the fork by its git URL gets a ``uv.lock`` that works anywhere.
+
+``uv add "lightning @ git+URL"`` builds ``lightning`` in uv's own clone of the URL, and ``lightning`` requires its
+companion ``pytorch-lightning`` from the same repository and commit (forkbuild/companion.py). That requirement must
+name the URL the user gave, not uv's cache folder: a ``uv.lock`` that pins the companion to
+``<uv cache>/git-v*/db/<id>`` fails ``uv sync --locked`` on a teammate's machine, in CI, and here after
+``uv cache clean``. So the test adds the fork to a fresh project, clears the cache, and syncs a copy of the project in
+another folder with another (empty) cache, offline.
+
+The project overrides the fork's index dependencies (torch, torchmetrics, ...) away with a marker that is never true:
+they come from a package index, which any lock records portably, and leaving them out keeps the test offline and
+fast (a few seconds: two pure-Python builds and no torch).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from forkbuild import upstream
+from forkbuild.pin import Pin
+
+#: lightning's and pytorch-lightning's dependencies from the package index, overridden away (see the docstring)
+INDEX_DEPENDENCIES = (
+    "torch", "torchmetrics", "fsspec", "lightning-utilities", "pyyaml", "tqdm", "packaging", "typing-extensions",
+)  # fmt: skip
+TAG = "v2.6.6-amp.1-test"
+
+
+def _uv() -> Optional[str]:
+    found = Path(sys.executable).with_name("uv")
+    return str(found) if found.is_file() else shutil.which("uv")
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed"),
+    pytest.mark.skipif(_uv() is None, reason="uv is not installed (requirements/test.txt installs it)"),
+]
+
+
+def _git_repo(helpers, dest: Path) -> str:
+    """A committed, tagged copy of the build inputs; returns the commit."""
+    repo = helpers.copy_build_inputs(dest)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"], ["tag", TAG]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _project(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    overrides = ", ".join(f'"{name}; python_version < \'0\'"' for name in INDEX_DEPENDENCIES)
+    (folder / "pyproject.toml").write_text(
+        '[project]\nname = "app"\nversion = "0"\nrequires-python = ">=3.10"\ndependencies = []\n\n'
+        f"[tool.uv]\noverride-dependencies = [{overrides}]\n",
+        encoding="utf-8",
+    )
+    return folder
+
+
+def _uv_run(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run([_uv(), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"uv {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _installed(project: Path, distribution: str) -> str:
+    python = project / ".venv" / "bin" / "python"
+    code = f"import importlib.metadata as m; print(m.version({distribution!r}))"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("ref", ["", f"@{TAG}"], ids=["url", "url-at-tag"])
+def test_uv_lock_names_the_given_url_and_syncs_after_the_cache_is_gone(
+    helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, ref: str
+) -> None:
+    commit = _git_repo(helpers, tmp_path / "repo")
+    url = (tmp_path / "repo").as_uri()  # file:///...: what a user's https URL is to uv and git
+    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir), "UV_CACHE_DIR": str(tmp_path / "cache")})
+    env.update(UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1")
+    env.pop("VIRTUAL_ENV", None)
+
+    mine = _project(tmp_path / "mine")
+    _uv_run(["add", "--offline", "--no-sync", "--python", sys.executable, f"lightning @ git+{url}{ref}"], mine, env)
+    lock = (mine / "uv.lock").read_text(encoding="utf-8")
+    assert "git-v" not in lock and str(tmp_path / "cache") not in lock, lock
+    companion = f'source = {{ git = "{url}?subdirectory=packaging%2Fpytorch-lightning&rev={commit}#{commit}" }}'
+    assert companion in lock, lock
+
+    # a teammate: the project as committed (pyproject.toml and uv.lock), another folder, an empty cache
+    _uv_run(["cache", "clean"], mine, env)
+    theirs = _project(tmp_path / "theirs")
+    shutil.copy2(mine / "pyproject.toml", theirs / "pyproject.toml")
+    shutil.copy2(mine / "uv.lock", theirs / "uv.lock")
+    env["UV_CACHE_DIR"] = str(tmp_path / "cache-of-a-teammate")
+    _uv_run(["sync", "--locked", "--offline", "--python", sys.executable], theirs, env)
+    assert _installed(theirs, "lightning") == _installed(theirs, "pytorch-lightning") == pin.fork_version
+    # what `uv pip freeze` writes for requirements files names the URL too
+    frozen = _uv_run(["pip", "freeze", "--python", str(theirs / ".venv" / "bin" / "python")], theirs, env).stdout
+    assert f"pytorch-lightning @ git+{url}@{commit}#subdirectory=packaging/pytorch-lightning" in frozen, frozen
+    assert "git-v" not in frozen, frozen
+    assert (theirs / "uv.lock").read_text(encoding="utf-8") == lock  # --locked: unchanged
