@@ -29,7 +29,7 @@ UPSTREAM_TEST_ARGS ?=
 FORCE ?=
 
 SERIES_TESTS ?= all
-.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr pr-stack pr-description upstream-test tree tree-standalone export wheel clean
+.PHONY: setup install test mutation-check series-check test-oldest-torch test-newest-torch test-matrix demo docs bench pr-stack upstream-test tree tree-standalone export wheel clean
 
 $(VENV)/.deps: requirements/test.txt requirements/docs.txt
 	$(PYTHON) -m venv $(VENV)
@@ -90,37 +90,24 @@ bench:
 	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
 	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
-## pr: our patches, upstream test patches, our files and CHANGELOG entries as a new branch of an upstream clone
-##     (patches marked `Forwarded: not-needed` are left out: MAKE_PR_ARGS=--with-not-needed keeps them)
-pr:
-	@test -n "$(UPSTREAM)" || { echo "usage: make pr UPSTREAM=<upstream Lightning clone> [BRANCH=name]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/make_pr.py --upstream "$(UPSTREAM)" $(if $(BRANCH),--branch "$(BRANCH)") $(MAKE_PR_ARGS)
-
-## pr-stack: the stack of small upstream PRs (tools/upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
+## pr-stack: the stack of small upstream PRs (upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
 ##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
 ##   build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
 pr-stack:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [FORCE=1]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
+	$(PYTHON) upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
 
-## series-check: the series reviewable one concern at a time: every file claimed by its patch, the two layers
-##   (forwarded patches first, each agreeing with its PR of tools/upstream/stack/; then fork-only ones, which may
-##   replace forwarded lines they name in Replaces:), no patch rewriting an earlier one of its layer (churn < 5% in
-##   each), the recorded master resolutions following the series, and every prefix building,
-##   importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
+## series-check: the series reviewable one concern at a time: every own file claimed by its patch, each patch's
+##   Forwarded: pointing where its concern went, no patch rewriting an earlier one (churn < 5%), and every prefix
+##   building, importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
 series-check: setup
-	$(PY) tools/upstream/check_series.py --tests $(SERIES_TESTS)
-
-## pr-description: the PR's description from the patch headers, CHANGELOG and upstream-test results -> stdout and
-##        tools/upstream/results/PR.md
-pr-description:
-	$(PYTHON) tools/upstream/pr_description.py $(if $(wildcard tools/upstream/results/branch/summary.json),--results tools/upstream/results/branch)
+	$(PY) tools/check_series.py --tests $(SERIES_TESTS)
 
 ## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI);
 ##   with BRANCH=<the PR branch in UPSTREAM>, that branch vs its base (BASE, default master) from source; FULL=1: all CPU tests
 upstream-test:
 	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.6 | BRANCH=<PR branch> [BASE=master]] [FULL=1]" >&2; exit 2; }
-	$(PYTHON) tools/upstream/upstream_test.py --upstream "$(UPSTREAM)" \
+	$(PYTHON) upstream/upstream_test.py --upstream "$(UPSTREAM)" \
 	  $(if $(BRANCH),--branch "$(BRANCH)" $(if $(BASE),--base "$(BASE)"),--ref "$(REF)") $(if $(FULL),--full) $(UPSTREAM_TEST_ARGS)
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/

@@ -145,40 +145,17 @@ def export(tree: Path = TREE) -> list[str]:
     return written
 
 
-#: the layers of the series (shared/DESIGN.md, "Two layers"), as the comment that opens each in patches/series
-LAYER_COMMENTS = {
-    "forwarded": (
-        "# Layer 1, forwarded: one upstream pull request each (Forwarded: tools/upstream/stack/<NN>-<slug>, or not yet),\n"
-        "# applying to 2.6.6 and, through tools/upstream/resolutions/master/, to upstream master.\n"
-    ),
-    "fork-only": (
-        "# Layer 2, fork-only: what upstream has not agreed to (yet), on top of layer 1 (Forwarded: awaiting RFC\n"
-        "# tools/upstream/rfcs/<NN>-<slug>.md, awaiting an issue, or not-needed). A patch of it that replaces lines of\n"
-        "# layer 1 names them in its Replaces: field.\n"
-    ),
-}
-
-
-def layer_of(header: str) -> str:
-    """``fork-only`` for a patch whose DEP-3 ``Forwarded:`` says ``not-needed`` or ``awaiting ...``, else ``forwarded``."""
-    for line in header.splitlines():
-        if line.startswith("Forwarded:"):
-            value = line[len("Forwarded:"):].strip()
-            return "fork-only" if value.startswith(("not-needed", "awaiting ")) else "forwarded"
-    return "forwarded"
+#: the comment that opens patches/series
+SERIES_COMMENT = (
+    "# The series the wheel ships, in order: each patch one concern, written once where it ends up. Its DEP-3\n"
+    "# `Forwarded:` says where the concern went upstream: a PR of upstream/stack/, an RFC of upstream/rfcs/, `no` (not\n"
+    "# yet) or `not-needed`.\n"
+)
 
 
 def series_text(patch_texts: dict[str, str]) -> str:
-    """patches/series: the names in order, each layer opened by its comment."""
-    lines: list[str] = []
-    current = None
-    for name, text in patch_texts.items():
-        layer = layer_of(text.split("\ndiff --git ", 1)[0])
-        if layer != current:
-            lines.append(("\n" if lines else "") + LAYER_COMMENTS[layer])
-            current = layer
-        lines.append(f"{name}\n")
-    return "".join(lines)
+    """patches/series: the comment, then the names in order."""
+    return SERIES_COMMENT + "".join(f"{name}\n" for name in patch_texts)
 
 
 def tree_inputs(tree: Path = TREE) -> tuple[list[Patch], dict[str, bytes]]:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Build the stack of small upstream pull requests: one branch per folder of ``tools/upstream/stack/``.
+"""Build the stack of small upstream pull requests: one branch per folder of ``upstream/stack/``.
 
-    python3 tools/upstream/pr_stack.py --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
-    python3 tools/upstream/pr_stack.py --check                              (the folders only; no clone, CI runs it)
+    python3 upstream/pr_stack.py --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
+    python3 upstream/pr_stack.py --check                              (the folders only; no clone, CI runs it)
 
-Each folder ``tools/upstream/stack/<NN>-<slug>/`` is one proposed PR, based on upstream master alone (none on another;
+Each folder ``upstream/stack/<NN>-<slug>/`` is one proposed PR, based on upstream master alone (none on another;
 NN only orders the listing), and holds:
 
 ``pr.toml``         ``branch = "amp/<slug>"``, ``title`` (imperative, under 72 characters), ``closes = ["#NNNNN"]``
@@ -40,9 +40,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import HERE, REPO, Failure, git  # noqa: E402
-from make_pr import identity_env  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tools"))
+from series import REPO, Failure, git, identity_env  # noqa: E402
 
 #: upstream master at the time of writing: every PR of the stack is a diff against it
 BASE = "7f0c3436cd3f6ad3753125672024fc415cbcb414"

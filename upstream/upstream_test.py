@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run upstream Lightning's own tests for the areas the fork touches, against the fork and against stock 2.6.6.
 
-    python3 tools/upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.6]     (make upstream-test ...)
-    python3 tools/upstream/upstream_test.py --upstream ../pytorch-lightning --branch lightning-fork/amp.1 [--base master]
+    python3 upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.6]     (make upstream-test ...)
+    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --branch lightning-fork/amp.1 [--base master]
 
 The first form (stock vs fork, steps 1-4 below) tests the fork as it installs. The second (base vs branch) tests the
 pull-request branch that ``make pr`` built in the clone against the upstream commit it starts from: one venv
@@ -13,14 +13,14 @@ test files the branch adds under ``tests/`` are ours: they run on the branch and
 modifies are the test patches' (listed apart, as below). ``--full`` runs the whole CPU suites (``tests_pytorch``,
 ``tests_fabric``) instead of the touched areas, in both modes.
 
-1. Two virtual environments (default ``tools/upstream/.venvs/``, ignored by git), both with ``torch==2.13.0`` (CPU)
-   and the test requirements of ``tools/upstream/requirements-test.txt``: ``stock`` with ``lightning==2.6.6`` from
+1. Two virtual environments (default ``upstream/.venvs/``, ignored by git), both with ``torch==2.13.0`` (CPU)
+   and the test requirements of ``upstream/requirements-test.txt``: ``stock`` with ``lightning==2.6.6`` from
    the package index, ``fork`` with this repository's two distributions built and installed (``pip install <repo>
    <repo>/packaging/pytorch-lightning``, reinstalled on every run so the run tests the checkout as it is).
 2. Upstream's ``tests/`` (and its ``pyproject.toml``, which holds the pytest configuration) at ``--ref`` are
-   exported with ``git archive`` into two trees under ``--workdir`` (default ``tools/upstream/results/``): upstream's
+   exported with ``git archive`` into two trees under ``--workdir`` (default ``upstream/results/``): upstream's
    ``src/`` is never there, so the venv's installed ``lightning`` is what is tested (checked before running).
-   The fork's tree gets ``tools/upstream/test-patches/`` applied: upstream tests that pin behaviour our patches
+   The fork's tree gets ``upstream/test-patches/`` applied: upstream tests that pin behaviour our patches
    change on purpose, updated.
 3. The selected test files (the areas we touch, plus every test file that mentions ``MixedPrecision``,
    ``GradScaler``, ``manual_backward``, ``clip_gradients`` or ``autocast``) run in each venv from the tree's
@@ -51,8 +51,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import HERE, REPO, TEST_PATCHES, Failure, git, read_series  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tools"))
+from series import REPO, TEST_PATCHES, Failure, git, read_series  # noqa: E402
 
 TORCH = "torch==2.13.0"
 STOCK = ["lightning==2.6.6", "pytorch-lightning==2.6.6"]
@@ -199,7 +200,7 @@ def export_tests(checkout: Path, ref: str, target: Path, paths: tuple[str, ...] 
 
 
 def apply_test_patches(tree: Path) -> dict[str, list[str]]:
-    """Apply tools/upstream/test-patches/ to a test tree; returns patch name -> files it changes."""
+    """Apply upstream/test-patches/ to a test tree; returns patch name -> files it changes."""
     applied = {}
     for patch in read_series(TEST_PATCHES):
         done = git(tree, "apply", "--index", str(patch.path), check=False)
@@ -380,7 +381,7 @@ def compare(before: dict[str, str], after: dict[str, str], patched: set[str]) ->
     in_files = [t for t in sorted(set(before) | set(after)) if in_modules(t, patched)]
     patched_tests = [f"{t} (before: {before.get(t, '-')}, after: {after.get(t, '-')})"
                      for t in in_files if before.get(t) != after.get(t)]
-    # the keys keep the names of the stock-vs-fork report (tools/upstream/pr_description.py reads them) in both modes
+    # the keys keep the names of the stock-vs-fork report in both modes
     return {"regressions": regressions, "regressions_in_test_patched_files": patched_regressions,
             "new_failing": new_failing, "fixed_on_fork": fixed, "failing_on_both": both, "absent_on_fork": missing,
             "replaced_by_test_patches": changed, "new_on_fork": new_ids, "in_test_patched_files": patched_tests,
@@ -599,7 +600,7 @@ def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
         export_tests(checkout, commits[name], tree, SOURCE_PATHS)
 
     # what the branch changes under tests/: files it adds are ours (unless a test patch adds them), files it modifies
-    # are the test patches'; both are checked against this checkout's tools/upstream/test-patches/series
+    # are the test patches'; both are checked against this checkout's upstream/test-patches/series
     added, modified = branch_changes(checkout, base, branch)
     applied = {patch.name: patch.targets() for patch in read_series(TEST_PATCHES)}
     targets = {name for files in applied.values() for name in files}
@@ -667,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true",
                         help="run the whole CPU suites tests_pytorch and tests_fabric, not the touched areas")
     parser.add_argument("--venvs", type=Path, default=HERE / ".venvs", help="where the venvs live")
-    parser.add_argument("--workdir", type=Path, help="test trees, junit XML, report (default: tools/upstream/results/,"
+    parser.add_argument("--workdir", type=Path, help="test trees, junit XML, report (default: upstream/results/,"
                                                      " results/branch/ with --branch; -full with --full)")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (1: no xdist)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")

@@ -1,4 +1,4 @@
-"""tools/upstream/check_series.py: the series is reviewable one concern at a time, and each check can fail."""
+"""tools/check_series.py: the series is reviewable one concern at a time, and each check can fail."""
 
 import shutil
 import sys
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools" / "upstream"))
+sys.path.insert(0, str(REPO / "tools"))
 
 import check_series  # noqa: E402
-from _series import read_series  # noqa: E402
+from series import read_series  # noqa: E402
 
 
 @pytest.fixture
@@ -27,13 +27,13 @@ def _series_copy(tmp_path: Path) -> Path:
     return patches
 
 
-def test_the_series_claims_its_files_is_written_once_and_its_resolutions_follow_it(upstream_package):
+def test_the_series_claims_its_files_says_where_each_went_and_is_written_once():
     patches = read_series(REPO / "patches")
     assert check_series.check_claims(patches, read_series(check_series.TEST_PATCHES)) == []
     again, total, _ = check_series.churn(patches)
     assert total > 0
     assert again / total < check_series.MAX_CHURN
-    assert check_series.check_resolutions(patches) == []
+    assert check_series.check_forwarded(patches) == []
 
 
 def test_a_file_no_patch_claims_is_reported(monkeypatch):
@@ -46,13 +46,13 @@ def test_a_file_no_patch_claims_is_reported(monkeypatch):
 
 def test_a_file_claimed_twice_is_reported(tmp_path):
     patches = _series_copy(tmp_path)
-    second = patches / "0007-pytree-leaf-spec-without-deprecation.patch"
+    second = patches / "0003-pytree-leaf-spec-without-deprecation.patch"
     text = second.read_text()
     second.write_text(text.replace("Adds: tests/tests_pytorch/utilities/test_pytree_leaf_spec.py",
                                    "Adds: tests/tests_pytorch/utilities/test_pytree_leaf_spec.py\n"
                                    " tests/tests_pytorch/helpers/amp_recipe.py"))
     problems = check_series.check_claims(read_series(patches), read_series(check_series.TEST_PATCHES))
-    assert any("tests/tests_pytorch/helpers/amp_recipe.py is added by both 0007-pytree-leaf-spec-without-deprecation.patch and 0011" in p for p in problems)
+    assert any("tests/tests_pytorch/helpers/amp_recipe.py is added by both 0003-pytree-leaf-spec-without-deprecation.patch and 0007" in p for p in problems)
 
 
 def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
@@ -70,28 +70,33 @@ def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
     assert detail == ["0002-move.patch removes 1 line(s) an earlier patch added"]
 
 
-def test_a_resolution_the_series_left_behind_fails(tmp_path, upstream_package):
-    """Editing a line that 0012 adds without re-recording master's resolution of 0012 fails offline."""
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("no", None),
+        ("not-needed", None),
+        ("upstream/rfcs/05-fabric-training-iteration.md", None),
+        ("upstream/stack/99-no-such-pr", "`Forwarded: upstream/stack/99-no-such-pr` is neither"),
+        ("https://example.org/pr/1", "`Forwarded: https://example.org/pr/1` is neither"),
+        ("", "has no `Forwarded:` field"),
+    ],
+)
+def test_forwarded_says_where_the_concern_went(tmp_path, value, expected):
     patches = _series_copy(tmp_path)
-    cache = patches / "0012-amp-autocast-weight-cache.patch"
-    text = cache.read_text()
-    added = [line for line in text.splitlines() if line.startswith("+ ") and "cache_enabled=False" in line]
-    assert added, "0012 adds the advice that names cache_enabled=False"
-    cache.write_text(text.replace(added[0], added[0].replace("cache_enabled=False", "cache_enabled=0"), 1))
-    problems = check_series.check_resolutions(read_series(patches))
-    assert any("resolutions/master/0012-amp-autocast-weight-cache.patch" in p and "does not end" in p for p in problems)
-
-
-def test_a_resolution_header_must_follow_the_patch(tmp_path, upstream_package):
-    patches = _series_copy(tmp_path)
-    recipe = patches / "0011-amp-follows-the-recipe.patch"
-    recipe.write_text(recipe.read_text().replace("Forwarded: awaiting RFC", "Forwarded: yes, RFC", 1))
-    problems = check_series.check_resolutions(read_series(patches))
-    assert any("0011-amp-follows-the-recipe.patch: its header fields differ" in p for p in problems)
+    training_iteration = patches / "0018-fabric-training-iteration.patch"
+    text = training_iteration.read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("Forwarded:"))
+    training_iteration.write_text(text.replace(line, f"Forwarded: {value}" if value else "", 1))
+    problems = check_series.check_forwarded(read_series(patches))
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1
+        assert expected in problems[0]
 
 
 def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_package):
-    """A test claimed by patch 0008 that needs 0009's hook fails at prefix 1, where the full series passes it."""
+    """A test claimed by patch 0004 that needs 0005's hook fails at prefix 1, where the full series passes it."""
     repo = tmp_path / "repo"
     test = repo / "tests" / "tests_fabric" / "test_needs_0002.py"
     test.parent.mkdir(parents=True)
@@ -100,15 +105,15 @@ def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_packag
         "def test_hook():\n    assert hasattr(Precision, 'track_optimizer_wrapper')\n"
     )
     patches = _series_copy(tmp_path)
-    first = patches / "0008-precision-training-iteration-hooks.patch"
+    first = patches / "0004-precision-training-iteration-hooks.patch"
     claim = "Adds: tests/tests_fabric/test_needs_0002.py\nForwarded:"
     first.write_text(first.read_text().replace("Forwarded:", claim, 1))
     (patches / "series").write_text(
-        "0008-precision-training-iteration-hooks.patch\n0009-precision-tracks-optimizer-wrappers.patch\n"
+        "0004-precision-training-iteration-hooks.patch\n0005-precision-tracks-optimizer-wrappers.patch\n"
     )
     series = read_series(patches)
     problems = check_series.check_prefixes(series[:1], "new", sys.executable, ["-x"], None, repo=repo)
     assert len(problems) == 1
-    assert "prefix 1..1 (up to 0008-precision-training-iteration-hooks.patch) its tests fail" in problems[0]
+    assert "prefix 1..1 (up to 0004-precision-training-iteration-hooks.patch) its tests fail" in problems[0]
     # the same test passes once 0009 is in: prefix 1..2 runs every test claimed so far
     assert check_series.check_prefixes(series, "all", sys.executable, ["-x"], None, first=2, repo=repo) == []

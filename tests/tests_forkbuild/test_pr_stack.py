@@ -1,4 +1,4 @@
-"""tools/upstream/pr_stack.py (``make pr-stack``): one branch per folder of the PR stack, each on the base alone.
+"""upstream/pr_stack.py (``make pr-stack``): one branch per folder of the PR stack, each on the base alone.
 
 Each test builds a throwaway git repository in ``tmp_path`` as the "upstream" (a module, a test file, a docs page) and
 a stack folder of toy PRs whose ``changes.patch`` is a real ``git diff`` against it, and runs the script in a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tools" / "upstream" / "pr_stack.py"
+SCRIPT = REPO / "upstream" / "pr_stack.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import pr_stack  # noqa: E402
 
@@ -249,9 +249,9 @@ def test_test_files_do_not_import_across_suites(upstream, tmp_path):
 
 
 def test_the_repository_stack_is_well_formed():
-    """The real folders of tools/upstream/stack/: pr.toml, description, patch and limits (CI runs this)."""
+    """The real folders of upstream/stack/: pr.toml, description, patch and limits (CI runs this)."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     folders = sorted(p.name for p in pr_stack.STACK.iterdir() if p.is_dir())
-    assert folders, "tools/upstream/stack/ holds no PR"
+    assert folders, "upstream/stack/ holds no PR"
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == folders
