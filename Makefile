@@ -73,9 +73,18 @@ test-matrix: test-oldest-torch test-newest-torch
 mutation-check: setup
 	$(PY) tools/mutation_check.py
 
-## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic
-demo: setup
-	$(PY) -m pip install --quiet -r requirements/demo.txt
+## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic; its own lighter
+##       setup: torch, the fork and stock 2.6.6 built from this checkout, matplotlib (no test or docs tools)
+$(VENV)/.demo-deps: requirements/demo.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)" $(if $(NUMPY),"$(NUMPY)") -r requirements/demo.txt
+	touch $@
+
+demo: $(VENV)/.demo-deps
+	$(PY) -m pip install --quiet $(FORK)
+	rm -rf $(STOCK_WHEEL)
+	$(PY) -m forkbuild wheel --flavour stock-pytorch-lightning -o $(STOCK_WHEEL) >/dev/null
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(STOCK_WHEEL)/*.whl
 	$(PY) examples/amp_demo.py
 
 ## docs: the fork's documentation pages as HTML (build/docs/html), and every example on them run

@@ -4,11 +4,14 @@ What is trained
     A small regression MLP (the *student*) and an EMA copy of it (the *teacher*), evaluated under ``torch.no_grad()``
     and moved only as an exponential moving average of the student, as in the user report "Proper way to use mixed
     precision with manual optimization". The loss is the student's MSE to the targets plus a consistency MSE to the
-    teacher's output. Gradients are clipped by norm. Two optimizers, one run each:
+    teacher's output. Gradients are clipped by norm. Three optimizers, one run each:
 
     * ``SGD`` with momentum, the plainest optimizer, whose step autocast leaves alone;
     * ``Adafactor`` (``torch.optim.Adafactor``), whose step multiplies its factored second moments with a matmul,
-      which autocast lowers to bf16/fp16 when the step runs under it.
+      which autocast lowers to bf16/fp16 when the step runs under it;
+    * ``Muon``, a tiny Muon-style optimizer written below: momentum SGD whose update of each weight matrix is
+      orthogonalised by five Newton-Schulz iterations, fifteen matrix products per matrix per step. PyTorch's recipe
+      runs the optimizer step outside autocast, so these products run in float32.
 
 What is compared
     The same training (same initial weights, same batches in the same order, same optimizer) is run
@@ -32,9 +35,10 @@ What is compared
 What it prints
     For every run, the largest absolute difference of its final parameters (student and teacher) from the recipe's,
     whether they are bitwise equal (0 is the fork's promise), and the final loss (the trained student's MSE on the whole
-    data set, in float32). The loss curves go to ``artifacts/amp_demo.png``: one panel per optimizer and precision,
-    which reproduces the user report's comparison (32 against bf16-mixed, manual against automatic), with the fork and
-    the stock package side by side.
+    data set, in float32). The plot goes to ``artifacts/amp_demo.png``: manual optimization only (automatic equals the
+    recipe in both packages), the loss curves where stock leaves the recipe (SGD and Adafactor under 16-mixed, Muon
+    under bf16-mixed) and, for bf16-mixed, each run's largest distance from the recipe's parameters after each step.
+    On a terminal a progress bar shows the training; in a log, one line per run.
 
 What to expect (torch 2.13, CPU)
     Every run of the fork, and every automatic-optimization run of stock 2.6.6, equals the recipe bit for bit. Stock
@@ -43,11 +47,17 @@ What to expect (torch 2.13, CPU)
 
     * ``self.clip_gradients`` clips gradients still multiplied by the loss scale, so under 16-mixed SGD's true gradients
       are clipped to 1/scale of the norm asked for and training stalls (Lightning issue #18089);
-    * ``opt.step()`` runs under autocast, so Adafactor's second-moment matmul runs in bf16 and drifts from the recipe
-      under bf16-mixed, and in float16, where it underflows and writes NaN into the weights at the first step.
+    * ``opt.step()`` runs under autocast, so the matrix products of an optimizer's step run in bf16: Muon's
+      orthogonalisation and Adafactor's second moments drift from the recipe under bf16-mixed, and in float16
+      Adafactor's underflows and writes NaN into the weights at the first step.
 
-    The stock package is equal to the recipe in bf16-mixed with SGD: what the user report saw there is not reproduced on
-    this torch for an optimizer whose step autocast leaves alone.
+    The bf16 story, plainly: the user report ("manual optimization fails to converge with bf16") used an EMA teacher
+    under ``no_grad``, ``lerp_`` after the step and clipping, with SGD/AdamW. With optimizers like those, whose step
+    does no matrix product, stock 2.6.6 is bitwise equal to the recipe in bf16-mixed here too (the SGD rows), so that
+    code was fine and the report is not reproduced on this torch. What the fork changes under bf16 is what runs
+    outside the forward: ``manual_backward``, clipping and ``opt.step()`` run with autocast off, as in the recipe. That
+    matters for optimizers whose step multiplies matrices (Muon, Shampoo, Adafactor: the Muon and Adafactor rows), for
+    custom ``autograd.Function`` backwards and for fp32 islands; and fused optimizers can be clipped.
 
 The exit status is 1 if any run of the fork is not bitwise equal to the recipe, so the demo doubles as a check.
 
@@ -83,6 +93,7 @@ PACKAGES = {"fork": "lightning", "stock": "stock_pytorch_lightning"}
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "Adafactor": lambda params: torch.optim.Adafactor(params, lr=0.01),
+    "Muon": lambda params: Muon(params, lr=0.02, momentum=0.9),
 }
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 64, 4
@@ -147,6 +158,39 @@ class StudentTeacher(nn.Module):
             t.lerp_(s, 1.0 - EMA_DECAY)
 
 
+def newton_schulz(g: Tensor, steps: int) -> Tensor:
+    """The nearest semi-orthogonal matrix to ``g``, approximately: Muon's quintic Newton-Schulz iteration."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    for _ in range(steps):
+        s = x @ x.T  # under autocast: a bf16 (or fp16) matmul
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum SGD whose update of each weight matrix is orthogonalised (Muon-style); vectors get plain momentum."""
+
+    def __init__(self, params, lr: float, momentum: float, ns_steps: int = 5) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "ns_steps": ns_steps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                update = newton_schulz(buf, group["ns_steps"]) if p.ndim == 2 else buf
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+        return loss
+
+
 def make_optimizer(name: str, model: StudentTeacher) -> torch.optim.Optimizer:
     return OPTIMIZERS[name](model.student.parameters())
 
@@ -177,6 +221,10 @@ class Run:
     params: dict[str, Tensor] = field(default_factory=dict)
     final_loss: float = math.nan
     error: str | None = None
+    #: the recipe's parameters after each step (bf16-mixed only: the plot's distance panel)
+    trajectory: list[Tensor] = field(default_factory=list)
+    #: a Lightning run's largest |parameter - recipe| after each step (bf16-mixed only)
+    distances: list[float] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -200,9 +248,14 @@ class Run:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def train_with_recipe(
-    optimizer_name: str, precision: str, dataset: list[Batch], steps: int, on_step: Callable[[], None]
-) -> Run:
+OnStep = Callable[[StudentTeacher], None]  # called after every optimizer step with the trained model
+
+
+def flat_params(model: StudentTeacher) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def train_with_recipe(optimizer_name: str, precision: str, dataset: list[Batch], steps: int, on_step: OnStep) -> Run:
     run = Run(optimizer_name, precision, package="torch", mode="recipe")
     model = StudentTeacher()
     optimizer = make_optimizer(optimizer_name, model)
@@ -219,7 +272,7 @@ def train_with_recipe(
         scaler.update()
         model.update_teacher()
         run.losses.append(loss.item())
-        on_step()
+        on_step(model)
     return run.finish(model, dataset)
 
 
@@ -243,7 +296,7 @@ def lightning_module_class(pl) -> type:
     """The demo's ``LightningModule``, written once against the API of the package ``pl``."""
 
     class StudentTeacherModule(pl.LightningModule):
-        def __init__(self, optimizer_name: str, automatic: bool, on_step: Callable[[], None]) -> None:
+        def __init__(self, optimizer_name: str, automatic: bool, on_step: OnStep) -> None:
             super().__init__()
             self.model = StudentTeacher()
             self.optimizer_name = optimizer_name
@@ -272,7 +325,7 @@ def lightning_module_class(pl) -> type:
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             if self.automatic_optimization:
                 self.model.update_teacher()  # after the optimizer step, as in manual optimization
-            self._on_step()
+            self._on_step(self.model)
 
     return StudentTeacherModule
 
@@ -284,7 +337,7 @@ def train_with_lightning(
     mode: str,
     dataset: list[Batch],
     steps: int,
-    on_step: Callable[[], None],
+    on_step: OnStep,
 ) -> Run:
     label = next(label for label, name in PACKAGES.items() if name == package)
     run = Run(optimizer_name, precision, package=label, mode=mode)
@@ -339,6 +392,12 @@ def print_table(recipes: dict[tuple[str, str], Run], runs: list[Run]) -> None:
             print(TABLE_ROW.format("", "", name, f"{diff:.3g}", equal, f"{run.final_loss:.5f}"))
     print("fork = this repository's `lightning`; stock = `stock_pytorch_lightning` 2.6.6, unpatched.")
     print("0 is the promise: every run of the fork equals the recipe bit for bit.")
+    print(
+        "bf16-mixed: stock equals the recipe with SGD (a step without matrix products runs the same under autocast);"
+        "\nwith Muon and Adafactor, whose steps multiply matrices, stock's manual optimization runs those products in"
+        "\nbf16 (its opt.step() runs under autocast) and leaves the recipe. The fork runs backward, clipping and the"
+        "\nstep with autocast off, as PyTorch's recipe does."
+    )
 
 
 def epoch_mean(values: list[float]) -> list[float]:
@@ -350,44 +409,80 @@ def epoch_mean(values: list[float]) -> list[float]:
     return means
 
 
+#: the loss panels of the plot: where stock manual optimization leaves the recipe (the other settings: the table)
+LOSS_PANELS = (("16-mixed", "SGD"), ("16-mixed", "Adafactor"), ("bf16-mixed", "Muon"))
+STYLES = {
+    "recipe": dict(color="0.75", linewidth=7),
+    "stock": dict(color="tab:red", linestyle="-", linewidth=1.4),
+    "fork": dict(color="tab:blue", linestyle=(0, (5, 3)), linewidth=1.6),
+}
+CAPTION = (
+    "Manual optimization, written as the Lightning docs say (manual_backward, clip_gradients, opt.step()). Grey: "
+    "PyTorch's AMP recipe. Blue: the fork, bitwise equal to the recipe in every run, so it hides the grey line. Red: "
+    "stock Lightning 2.6.6. Under 16-mixed stock clips gradients still multiplied by the loss scale (SGD stalls) and "
+    "runs the optimizer step under autocast (Adafactor writes NaN). Under bf16-mixed it runs the step's matrix "
+    "products in bf16 (Muon, Adafactor: the loss barely shows it, the distance from the recipe does); with SGD it "
+    "equals the recipe. Automatic "
+    "optimization equals the recipe in both packages (see the printed table)."
+)
+
+
 def save_plot(recipes: dict[tuple[str, str], Run], runs: list[Run], path: Path) -> None:
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # stock first, so that the fork's curves are drawn on top of the recipe they should hide under
-    styles = {
-        ("stock", "manual"): dict(color="tab:red", linestyle="-", linewidth=1.3),
-        ("stock", "automatic"): dict(color="tab:orange", linestyle=(0, (1, 2)), linewidth=2.0),
-        ("fork", "manual"): dict(color="tab:blue", linestyle="-", linewidth=1.5),
-        ("fork", "automatic"): dict(color="tab:cyan", linestyle=(0, (5, 4)), linewidth=1.5),
-    }
-    optimizers = list(dict.fromkeys(optimizer for optimizer, _ in recipes))
-    fig, axes = plt.subplots(
-        len(optimizers), len(PRECISIONS), figsize=(5.2 * len(PRECISIONS), 3.6 * len(optimizers) + 0.9), squeeze=False
-    )
-    for row, optimizer in zip(axes, optimizers):
-        for ax, precision in zip(row, PRECISIONS):
-            reference = recipes[(optimizer, precision)]
-            ax.plot(epoch_mean(reference.losses), color="0.8", linewidth=7, label=reference.label)
-            panel = [r for r in runs if (r.optimizer, r.precision) == (optimizer, precision) and r.error is None]
-            for run in sorted(panel, key=lambda r: list(styles).index((r.package, r.mode))):
-                style = styles[(run.package, run.mode)]
-                ax.plot(epoch_mean(run.losses), label=run.label, **style)
-                first_nan = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), None)
-                if first_nan is not None:
-                    note = f"{run.label}: loss is NaN from step {first_nan}"
-                    ax.text(0.97, 0.95, note, transform=ax.transAxes, ha="right", va="top", color=style["color"])
-            ax.set_title(f"{optimizer}, precision={precision!r}", fontsize=10)
+    manual = [r for r in runs if r.mode == "manual" and r.error is None]
+    panels = [(p, o) for p, o in LOSS_PANELS if (o, p) in recipes]
+    bf16 = [r for r in manual if r.precision == "bf16-mixed" and r.distances]
+    n = len(panels) + (1 if bf16 else 0)
+    columns = 2 if n > 1 else 1
+    rows = math.ceil(n / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 3.7 * rows + 1.4), squeeze=False)
+    flat_axes = list(axes.flat)
+    for ax, (precision, optimizer) in zip(flat_axes, panels):
+        reference = recipes[(optimizer, precision)]
+        ax.plot(epoch_mean(reference.losses), label="PyTorch AMP recipe", **STYLES["recipe"])
+        # stock first, so that the fork is drawn on top of the recipe it should hide
+        for run in sorted((r for r in manual if (r.optimizer, r.precision) == (optimizer, precision)),
+                          key=lambda r: r.package != "stock"):  # fmt: skip
+            ax.plot(epoch_mean(run.losses), label=f"{run.package}, manual", **STYLES[run.package])
+            first_nan = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), None)
+            if first_nan is not None:
+                note = f"{run.package}: loss is NaN from step {first_nan}"
+                ax.text(0.97, 0.95, note, transform=ax.transAxes, ha="right", va="top", color=STYLES[run.package]["color"])
+        ax.set_title(f"{optimizer}, {precision}: training loss", fontsize=10)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"mean of {DATASET_BATCHES} steps")
+    if bf16:
+        ax = flat_axes[len(panels)]
+        shown = []
+        for run in (r for r in bf16 if r.package == "stock"):
+            if any(d > 0 for d in run.distances):
+                ax.plot(run.distances, label=f"stock, {run.optimizer}", linewidth=1.4,
+                        color={"Muon": "tab:red", "Adafactor": "tab:purple"}.get(run.optimizer, "tab:brown"))
+                shown.append(run.optimizer)
+        equal = sorted({f"{r.package} {r.optimizer}" for r in bf16 if not any(d > 0 for d in r.distances)})
+        ax.text(0.03, 0.03, "0 at every step (not drawn on a log scale):\n" + textwrap.fill(", ".join(equal), 60),
+                transform=ax.transAxes, fontsize=8, va="bottom", color="tab:blue")
+        ax.set_title("bf16-mixed: max |parameter - recipe| after each step", fontsize=10)
+        if shown:
             ax.set_yscale("log")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel("step")
-        row[0].set_ylabel(f"training loss (mean of {DATASET_BATCHES} steps)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.suptitle("Student + EMA teacher, clipped by norm: fork and stock Lightning 2.6.6 vs PyTorch's AMP recipe")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+            ax.legend(fontsize=8, loc="upper left", frameon=False)
+    for ax in flat_axes[:n]:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("step")
+    for ax in flat_axes[n:]:
+        ax.set_visible(False)
+    handles, labels = flat_axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=9, frameon=False)
+    fig.suptitle("Student + EMA teacher, clipped by norm: where stock Lightning 2.6.6 leaves PyTorch's AMP recipe",
+                 x=0.01, ha="left", fontsize=11)
+    fig.text(0.01, 0.01, textwrap.fill(CAPTION, 150), fontsize=8.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.11, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -417,6 +512,30 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
 
+def _recorder(trajectory: list[Tensor], bar: tqdm) -> OnStep:
+    def on_step(model: StudentTeacher) -> None:
+        trajectory.append(flat_params(model))
+        bar.update()
+
+    return on_step
+
+
+def _measurer(reference: list[Tensor], distances: list[float], bar: tqdm) -> OnStep:
+    """Each step's largest |parameter - recipe| (where the recipe's trajectory was recorded)."""
+
+    def on_step(model: StudentTeacher) -> None:
+        if len(distances) < len(reference):
+            distances.append((flat_params(model) - reference[len(distances)]).abs().max().item())
+        bar.update()
+
+    return on_step
+
+
+def _progress(tty: bool, start: float, run: Run) -> None:
+    if not tty:
+        print(f"[{time.perf_counter() - start:5.0f} s] {run.optimizer} {run.precision} {run.label}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="the plot's path (artifacts/amp_demo.png)")
@@ -442,22 +561,32 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     start = time.perf_counter()
     total = (len(settings) + len(lightning_jobs)) * args.steps
-    with tqdm(total=total, unit="step", desc="training", mininterval=0.25, dynamic_ncols=True) as bar:
+    # a progress bar on a terminal; in a log (no TTY), one line per run instead of a bar's redraws
+    tty = sys.stderr.isatty()
+    with tqdm(total=total, unit="step", desc="training", mininterval=0.25, dynamic_ncols=True, disable=not tty) as bar:
         for optimizer, precision in settings:
             bar.set_postfix_str(f"{optimizer} {precision} recipe")
-            recipes[(optimizer, precision)] = train_with_recipe(optimizer, precision, dataset, args.steps, bar.update)
+            trajectory: list[Tensor] = []
+            on_step = _recorder(trajectory, bar) if precision == "bf16-mixed" else (lambda model: bar.update())
+            recipes[(optimizer, precision)] = run = train_with_recipe(optimizer, precision, dataset, args.steps, on_step)
+            run.trajectory = trajectory
+            _progress(tty, start, run)
         for optimizer, precision, package, mode in lightning_jobs:
             bar.set_postfix_str(f"{optimizer} {precision} {package} {mode}")
             steps_before = bar.n
+            distances: list[float] = []
+            on_step = _measurer(recipes[(optimizer, precision)].trajectory, distances, bar)
             try:
-                run = train_with_lightning(package, optimizer, precision, mode, dataset, args.steps, bar.update)
+                run = train_with_lightning(package, optimizer, precision, mode, dataset, args.steps, on_step)
             except Exception as err:  # shown in the table; a failing fork run fails the demo below
                 if package == "lightning":
                     tqdm.write(traceback.format_exc())
                 label = next(label for label, name in PACKAGES.items() if name == package)
                 run = Run(optimizer, precision, package=label, mode=mode, error=f"{type(err).__name__}: {err}")
                 bar.update(args.steps - (bar.n - steps_before))
+            run.distances = distances
             runs.append(run)
+            _progress(tty, start, run)
     elapsed = time.perf_counter() - start
 
     print()

@@ -29,7 +29,7 @@ from forkbuild.pin import Pin
 INDEX_DEPENDENCIES = (
     "torch", "torchmetrics", "fsspec", "lightning-utilities", "pyyaml", "tqdm", "packaging", "typing-extensions",
 )  # fmt: skip
-TAG = "v2.6.6-amp.1-test"
+TAG = "v2.6.6+amp.1"  # the form of the fork's release tags
 
 
 def _uv() -> Optional[str]:
