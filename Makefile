@@ -90,7 +90,8 @@ demo: $(VENV)/.demo-deps
 ## docs: the fork's documentation pages as HTML (build/docs/html), and every example on them run
 docs: setup
 	$(PY) -m sphinx -W --keep-going -q -b html docs/fork build/docs/html
-	$(PY) -m sphinx -W --keep-going -q -b doctest docs/fork build/docs/doctest
+	$(PY) tests/tests_docs/doc_examples.py
+	@echo "HTML: build/docs/html/index.html (mixed precision in manual optimization: build/docs/html/model/manual_optimization.html)"
 
 ## bench: the fork against stock lightning 2.6.6 and a hand-written PyTorch loop, as ratios -> benchmarks/results/
 ##        (on a CUDA machine: make bench BENCH_ARGS="--device cuda")

@@ -1,20 +1,23 @@
-"""The fork's documentation builds with Sphinx without a single warning, and every example on its pages runs.
+"""The fork's documentation builds with Sphinx without a single warning, shows its examples where users read it, and
+every example on its pages runs.
 
 The pages are ``docs/source-pytorch/model/manual_optimization_mixed_precision.rst`` (a section that upstream's manual
-optimization page includes, through ``docs/patches/0001``) and ``docs/source-pytorch/common/precision_mixed.rst``. They
-are built as the Sphinx project ``docs/fork`` (see its ``conf.py``):
+optimization page includes, through ``docs/patches/0001``) and ``docs/source-pytorch/common/precision_mixed.rst``.
 
-* ``-b html`` with ``-W --keep-going -n``: no warning, every cross-reference resolved;
-* ``-b doctest``: every ``testcode`` block is executed against the fork's ``lightning`` and its ``testoutput`` compared,
-  and the number of executed examples per page is exactly :data:`EXPECTED_EXAMPLES` (a block that stops being executed,
-  or a new one nobody counted, fails the test);
+* Examples are ``.. code-block:: python`` blocks, each followed by a ``.. code-block:: text`` of what it prints where
+  it prints something. GitHub renders ``.rst`` files with docutils and drops what docutils does not know (Sphinx's
+  ``testcode``), so the pages are rendered here with plain docutils, errors quiet, and every block must show.
+* ``doc_examples.py`` executes every Python block of a page in order, in one namespace, against the fork's
+  ``lightning`` and compares what it prints; the number of examples per page is exactly :data:`EXPECTED_EXAMPLES` (a
+  block that stops being executed, or a new one nobody counted, fails the test).
+* The Sphinx project ``docs/fork`` (see its ``conf.py``) builds them with ``-b html -W --keep-going -n``: no
+  warning, every cross-reference resolved.
+* Notes mark what only the fork has (``2.6.6+amp.1``), and the docs patches are well-formed and point at files that
+  exist.
 
-and, without Sphinx, the pages hold no Python code that would escape the doctest build, and the docs patches are
-well-formed and point at files that exist.
-
-The two builds run in parallel, once per session; together they take about 15-25 s on two cores, most of it importing
-torch and Lightning. Sphinx comes from ``requirements/docs.txt``. Without it the two builds are skipped, unless
-``requirements/test.txt`` pulls in ``docs.txt`` or ``CI`` is set: then a missing Sphinx fails.
+The HTML build takes about 10 s and the examples about 15-30 s on two cores, most of it importing torch and Lightning.
+Sphinx comes from ``requirements/docs.txt``. Without it the build is skipped, unless ``requirements/test.txt`` pulls
+in ``docs.txt`` or ``CI`` is set: then a missing Sphinx fails.
 """
 
 from __future__ import annotations
@@ -30,21 +33,28 @@ from pathlib import Path
 import pytest
 from tests_fabric.helpers.torch_features import CPU_16_MIXED, requires_cpu_16_mixed
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import doc_examples  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = REPO / "docs" / "source-pytorch"  # the pages, in upstream's layout
 PROJECT = REPO / "docs" / "fork"  # the fork's Sphinx project: conf.py, index, links to the pages
 DOCS_PATCHES = REPO / "docs" / "patches"
 
-#: ``testcode`` blocks per page, every one executed by the doctest build
+#: Python blocks per page, every one executed by doc_examples.py
 EXPECTED_EXAMPLES = {
-    "model/manual_optimization_mixed_precision.rst": 16,
-    "common/precision_mixed.rst": 7,
+    "model/manual_optimization_mixed_precision.rst": 18,
+    "common/precision_mixed.rst": 8,
 }
-#: the Sphinx document each page's examples run in: the section runs inside the page that includes it
-DOCUMENT_OF_PAGE = {
-    "model/manual_optimization_mixed_precision.rst": "model/manual_optimization",
-    "common/precision_mixed.rst": "common/precision_mixed",
-}
+assert set(EXPECTED_EXAMPLES) == set(doc_examples.PAGE_NAMES)
+#: what only the fork has, and where a note must say so (a ``.. note::`` naming the fork's version and the API)
+FORK_ONLY = {
+    "model/manual_optimization_mixed_precision.rst": (
+        "step_was_skipped", "clip_gradients", "LossScaleMonitor", 'precision="16-mixed"',
+    ),
+    "common/precision_mixed.rst": ("step_was_skipped", "LossScaleMonitor"),
+}  # fmt: skip
+FORK_VERSION = "2.6.6+amp.1"
 #: the section that upstream's ``model/manual_optimization.rst`` includes, and the line that includes it
 SECTION = "model/manual_optimization_mixed_precision.rst"
 INCLUDE_LINE = ".. include:: /model/manual_optimization_mixed_precision.rst"
@@ -85,11 +95,11 @@ def _require_sphinx() -> None:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
-    """``-b html`` and ``-b doctest`` of ``docs/fork``, run side by side in fresh folders."""
+    """``-b html`` of ``docs/fork``, in a fresh folder."""
     _require_sphinx()
     root = tmp_path_factory.mktemp("docs")
     running = {}
-    for builder in ("html", "doctest"):
+    for builder in ("html",):
         outdir = root / builder
         command = [
             sys.executable, "-m", "sphinx",
@@ -131,17 +141,9 @@ def test_pages_build_without_warnings(builds: dict[str, Build]) -> None:
     # the cross-references between the two pages resolved to links
     assert "precision_mixed.html" in manual
     assert "manual_optimization.html#mixed-precision" in precision
-
-
-def _doctest_results(output: str) -> dict[str, tuple[int, int]]:
-    """``{document: (passed, failed)}`` from the doctest builder's ``output.txt``."""
-    results = {}
-    for block in output.split("\nDocument: ")[1:]:
-        document = block.split("\n", 1)[0].strip()
-        match = re.search(r"^(\d+) passed and (\d+) failed\.$", block, re.MULTILINE)
-        assert match, f"no result for document {document}:\n{block}"
-        results[document] = (int(match.group(1)), int(match.group(2)))
-    return results
+    # every example is shown, highlighted as Python
+    for page, html in (("model/manual_optimization_mixed_precision.rst", manual), ("common/precision_mixed.rst", precision)):
+        assert html.count('class="highlight-python') == EXPECTED_EXAMPLES[page], page
 
 
 #: how an example fails on a torch that lacks a feature it shows on a CPU, and nothing else may fail there
@@ -155,34 +157,85 @@ MISSING_FEATURES = (
 )
 
 
+@pytest.fixture(scope="module")
+def example_results() -> dict[str, list[doc_examples.Result]]:
+    return {page: doc_examples.run_page(PAGES / page) for page in EXPECTED_EXAMPLES}
+
+
 @pytest.mark.skipif(CPU_16_MIXED, reason="this torch runs every example (test_every_example_runs)")
-def test_on_an_old_torch_examples_fail_only_for_what_it_lacks(builds: dict[str, Build]) -> None:
+def test_on_an_old_torch_examples_fail_only_for_what_it_lacks(example_results) -> None:
     """On a torch without 16-mixed on CPU the pages' 16-mixed examples cannot run; every other one must, and each
     failure must be one of :data:`MISSING_FEATURES` (so a bf16 or 32-bit example that breaks still fails here)."""
-    output = (builds["doctest"].outdir / "output.txt").read_text(encoding="utf-8")
-    expected = {DOCUMENT_OF_PAGE[page]: count for page, count in EXPECTED_EXAMPLES.items()}
-    results = _doctest_results(output)
-    assert {document: sum(counts) for document, counts in results.items()} == expected, output
-    assert sum(passed for passed, _ in results.values()) > 0, output
-    failures = [block for block in output.split("*" * 70) if "Failed example:" in block]
-    assert len(failures) == sum(failed for _, failed in results.values()), output
-    unexplained = [block for block in failures if not any(reason in block for reason in MISSING_FEATURES)]
+    assert {page: len(results) for page, results in example_results.items()} == EXPECTED_EXAMPLES
+    assert any(r.error is None for results in example_results.values() for r in results)
+    unexplained = [
+        f"{page}:{r.example.code.line}\n{r.error}"
+        for page, results in example_results.items()
+        for r in results
+        if r.error is not None and not any(reason in r.error for reason in MISSING_FEATURES)
+    ]
     assert unexplained == [], "\n".join(unexplained)
 
 
 @requires_cpu_16_mixed  # the pages' 16-mixed examples train on CPU; on an older torch the test above runs instead
-def test_every_example_runs(builds: dict[str, Build]) -> None:
-    build = builds["doctest"]
-    _assert_succeeded(build)
-    output = (build.outdir / "output.txt").read_text(encoding="utf-8")
+def test_every_example_runs(example_results) -> None:
+    assert {page: len(results) for page, results in example_results.items()} == EXPECTED_EXAMPLES
+    failed = [
+        f"{page}:{r.example.code.line}\n{r.error}"
+        for page, results in example_results.items()
+        for r in results
+        if r.error is not None
+    ]
+    assert failed == [], "\n".join(failed)
 
-    expected = {DOCUMENT_OF_PAGE[page]: count for page, count in EXPECTED_EXAMPLES.items()}
-    assert _doctest_results(output) == {document: (count, 0) for document, count in expected.items()}, output
 
-    summary = output[output.index("Doctest summary") :]
-    assert re.search(rf"^\s+{sum(expected.values())} tests$", summary, re.MULTILINE), summary
-    for kind in ("tests", "setup code", "cleanup code"):
-        assert re.search(rf"^\s+0 failures in {kind}$", summary, re.MULTILINE), summary
+def test_the_runner_fails_a_wrong_output_and_an_exception(tmp_path: Path) -> None:
+    """doc_examples.py compares what a block prints with the text block after it, and reports an exception."""
+    page = tmp_path / "page.rst"
+    page.write_text(
+        "Title\n=====\n\n.. code-block:: python\n\n    x = 2\n    print(x)\n\n.. code-block:: text\n\n    2\n\n"
+        "* in a list:\n\n  .. code-block:: python\n\n      print(x + 1)\n\n  .. code-block:: text\n\n      4\n\n"
+        ".. code-block:: python\n\n    raise ValueError('boom')\n",
+        encoding="utf-8",
+    )
+    results = doc_examples.run_page(page)
+    assert [r.error is None for r in results] == [True, False, False]
+    assert "expected:\n4\ngot:\n3" in results[1].error
+    assert "ValueError: boom" in results[2].error
+
+
+@pytest.mark.parametrize("page", sorted(EXPECTED_EXAMPLES))
+def test_github_shows_every_example(page: str) -> None:
+    """Rendered as GitHub renders ``.rst`` (docutils; unknown roles and directives dropped quietly), the page shows
+    each example and each output."""
+    docutils_core = pytest.importorskip("docutils.core")
+    source = (PAGES / page).read_text(encoding="utf-8")
+    html = docutils_core.publish_string(
+        source, writer_name="html", settings_overrides={"report_level": 5, "halt_level": 5}
+    ).decode()
+    blocks = doc_examples.code_blocks(source)
+    assert html.count('<pre class="code python literal-block">') == EXPECTED_EXAMPLES[page]
+    assert html.count('<pre class="code text literal-block">') == sum(b.language == "text" for b in blocks)
+
+
+@pytest.mark.parametrize("page", sorted(FORK_ONLY))
+def test_fork_only_apis_are_marked(page: str) -> None:
+    """Each API that stock Lightning 2.6.6 lacks is named in a note that names the fork's version."""
+    lines = (PAGES / page).read_text(encoding="utf-8").splitlines()
+    notes = []
+    for number, line in enumerate(lines):
+        if line.strip() == ".. note::":
+            indent = len(line) - len(line.lstrip())
+            body = []
+            for following in lines[number + 1 :]:
+                if following.strip() and len(following) - len(following.lstrip()) <= indent:
+                    break
+                body.append(following.strip())
+            notes.append(" ".join(body))
+    fork_notes = [note for note in notes if FORK_VERSION in note]
+    assert fork_notes, f"{page}: no note names {FORK_VERSION}"
+    for api in FORK_ONLY[page]:
+        assert any(api in note for note in fork_notes), f"{page}: no note marks {api} as the fork's"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -194,26 +247,26 @@ _DIRECTIVE = re.compile(r"^(\s*)\.\.\s+([\w:-]+)::(.*)$")
 
 @pytest.mark.parametrize("page", sorted(EXPECTED_EXAMPLES))
 def test_every_code_example_is_executed(page: str) -> None:
-    """Python on the pages is in ``testcode`` blocks only, each in the page's named group, none skippable."""
+    """Code on the pages is in ``code-block`` directives only: ``python`` (executed by doc_examples.py) or ``text``
+    right after one (what it prints, compared); no other kind of block that would escape the run."""
     lines = (PAGES / page).read_text(encoding="utf-8").splitlines()
-    testcode_groups = []
     for number, line in enumerate(lines, 1):
         directive = _DIRECTIVE.match(line)
         if directive:
             name, argument = directive.group(2), directive.group(3).strip()
-            assert name not in ("code-block", "code", "sourcecode", "doctest", "literalinclude"), (
-                f"{page}:{number}: a `{name}` block is not executed; write examples as `.. testcode::`"
-            )
-            if name == "testcode":
-                testcode_groups.append(argument)
+            assert name not in ("code", "sourcecode", "doctest", "literalinclude", "testcode", "testoutput",
+                                "testsetup"), f"{page}:{number}: write examples as `.. code-block:: python`"
+            if name == "code-block":
+                assert argument in ("python", "text"), f"{page}:{number}: a `{argument}` block is not executed"
             continue
         stripped = line.strip()
         if stripped.endswith("::") and not stripped.startswith(".."):
-            raise AssertionError(f"{page}:{number}: a literal block (`::`) is not executed; use `.. testcode::`")
-        assert not stripped.startswith(":skipif:"), f"{page}:{number}: examples must not be skippable"
-    assert len(testcode_groups) == EXPECTED_EXAMPLES[page], f"update EXPECTED_EXAMPLES for {page}"
-    # a named group keeps the examples apart from the other blocks of the upstream page that includes them
-    assert len(set(testcode_groups)) == 1 and testcode_groups[0], f"{page}: use one named doctest group"
+            raise AssertionError(f"{page}:{number}: a literal block (`::`) is not executed; use `.. code-block::`")
+    blocks = doc_examples.code_blocks("\n".join(lines))
+    for before, block in zip([None, *blocks], blocks):
+        if block.language == "text":
+            assert before is not None and before.language == "python", f"{page}:{block.line}: output of nothing"
+    assert sum(b.language == "python" for b in blocks) == EXPECTED_EXAMPLES[page], f"update EXPECTED_EXAMPLES for {page}"
 
 
 def test_project_links_the_pages_themselves() -> None:
