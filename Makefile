@@ -100,6 +100,22 @@ bench:
 	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
 	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
+# gpu-check's environment: `make setup` with a CUDA build of torch (PyPI's torch 2.14.1 is one), in the torch matrix's
+# venv of that torch; GPU_PYTHON=<interpreter> skips the setup and runs the check there (fork, stock copy and torch in it)
+GPU_TORCH ?= $(NEWEST_TORCH)
+GPU_VENV ?= .venv-torch2.14
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+## gpu-check: on a machine with one CUDA GPU, the fork against stock 2.6.6 and torch's AMP recipe on CUDA (the two user
+##   reports, equivalence, cost per step, the misuse watch) in at most 8 minutes -> artifacts/gpu-check.md and .json;
+##   without CUDA it says so in one line and exits 0 (benchmarks/README.md: the report's format)
+gpu-check:
+	@if $(PYTHON) benchmarks/gpu_check.py --probe; then \
+	  $(if $(GPU_PYTHON),,$(MAKE) setup TORCH="$(GPU_TORCH)" VENV="$(GPU_VENV)" && ) \
+	  $(or $(GPU_PYTHON),$(GPU_VENV)/bin/python) benchmarks/gpu_check.py $(GPU_CHECK_ARGS); \
+	fi
+
 ## pr-stack: the stack of small upstream PRs (upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
 ##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
 ##   build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
