@@ -906,8 +906,12 @@ def part_cost(part: Part) -> None:
                                                       5 if not dry else 2, syncs=True))
                 row[who] = f"raises {err}" if err else f"{value:.2f}"
                 row["data"][who] = {"error": err} if err else {"syncs_per_step": value}
+            counts = {who: row["data"][who].get("syncs_per_step") for who in ("fork", "stock", "recipe")}
             if device != "cuda":
                 row["notes"] = "not counted on a CPU"
+            elif None not in counts.values():
+                row["notes"] = (f"5 steps after 3; fork - stock {counts['fork'] - counts['stock']:+.2f}, "
+                                f"fork - recipe {counts['fork'] - counts['recipe']:+.2f} per step")
     # time per step: paired rounds, fork and stock back to back (order alternating), the recipe beside them
     times: dict[tuple[CostCell, str], list[float]] = {}
     errors: dict[tuple[CostCell, str], str] = {}
@@ -950,7 +954,7 @@ def watch_switches(package: str) -> list[tuple[str, dict, dict]]:
     api = H.lightning_api(package)
     switches: list[tuple[str, dict, dict]] = [("on by default", {}, {})]
     for name in inspect.signature(api.MixedPrecision.__init__).parameters:
-        if re.search(r"watch|misuse|detect|anomal", name):
+        if re.search(r"watch|misuse|detect|anomal|check|debug|strict|guard", name):
             switches.append((f"MixedPrecision({name}=True)", {name: True}, {}))
     if "detect_anomaly" in inspect.signature(api.Trainer.__init__).parameters:
         switches.append(("Trainer(detect_anomaly=True)", {}, {"detect_anomaly": True}))
