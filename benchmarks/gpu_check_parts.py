@@ -824,7 +824,9 @@ class StepMarks:
 
 
 @functools.cache
-def cost_module_class(package: str) -> type:
+def cost_module_class(package: str) -> tuple[type, type]:
+    """The cost runs' LightningModule (the cell's model, AdamW and a step-interval StepLR, automatic or manual) and
+    the callback that marks each iteration's start, for ``package``."""
     api = H.lightning_api(package)
 
     class CostModule(api.LightningModule):
@@ -854,7 +856,7 @@ def cost_module_class(package: str) -> type:
         def on_train_batch_start(self, *args: Any) -> None:
             self.marks.mark()
 
-    return lambda: (CostModule, Marks)
+    return CostModule, Marks
 
 
 def cost_scaler(device: str) -> Any:
@@ -884,7 +886,7 @@ def cost_run(who: str, cell: CostCell, sizes: dict, device: str, warmup: int, st
         return marks.result()
     package = H.FORK if who == "fork" else H.STOCK
     api = H.lightning_api(package)
-    module_cls, marks_cls = cost_module_class(package)()
+    module_cls, marks_cls = cost_module_class(package)
     kwargs = trainer_kwargs(api, cell.precision, device, scaler=cost_scaler(device))
     kwargs.update(max_steps=total, callbacks=[marks_cls(marks)])
     loader = torch.utils.data.DataLoader([batches[i % len(batches)] for i in range(total + 1)], batch_size=None)
