@@ -13,7 +13,9 @@ reference there would conflict with the companion given beside it.
 
 How an installer's clone is recognised (neither pip nor uv tells the build where its source came from):
 
-* pip clones into a temporary folder named ``pip-req-build-*`` whose ``origin`` is the URL the user gave;
+* pip clones into a temporary folder whose ``origin`` is the URL the user gave: ``pip-req-build-*`` for a bare URL
+  (``pip install git+URL``), ``pip-install-*/lightning_<hex>`` (``pip-wheel-*/...``, ``pip-download-*/...``) for a
+  named one (``pip install "lightning @ git+URL@<tag>"``, the form of requirements files);
 * uv checks the commit out of its own clone (``<uv cache>/git-v*/db/<id>``) into ``<uv cache>/git-v*/checkouts/...``,
   whose ``origin`` is that clone. uv fills its clone with ``git fetch <URL> ...``, and git records the URL it fetched
   from in the clone's ``FETCH_HEAD`` (without credentials): the reference names that URL, the one the user gave, so
@@ -34,6 +36,8 @@ from forkbuild.pin import STANDALONE
 #: where the companion's build recipe lies in the repository
 SUBDIRECTORY = f"packaging/{STANDALONE}"
 _PIP_CLONE = re.compile(r"^pip-req-build-")
+_PIP_NAMED_CLONE = re.compile(r"^[a-z0-9_]+_[0-9a-f]{32}$")  # <canonical name, '-' as '_'>_<uuid4 hex>
+_PIP_INSTALL_DIR = re.compile(r"^pip-(install|wheel|download)-")  # the command's temporary folder
 _UV_BUCKET = re.compile(r"^git-v\d+$")
 
 
@@ -60,7 +64,7 @@ def installer_clone_url(root: Path) -> Optional[str]:
     origin = _git(root, "config", "--get", "remote.origin.url")
     if not origin:
         return None
-    if _PIP_CLONE.match(root.name):
+    if _PIP_CLONE.match(root.name) or (_PIP_NAMED_CLONE.match(root.name) and _PIP_INSTALL_DIR.match(root.parent.name)):
         return origin
     if _in_uv_cache(root, "checkouts") and _in_uv_cache(Path(origin), "db"):
         return _fetched_from(Path(origin)) or Path(origin).resolve().as_uri()

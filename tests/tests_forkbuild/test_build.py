@@ -200,7 +200,7 @@ def test_uv_pip_install_from_a_git_url(
     }
     # uv adds its own INSTALLER (and REQUESTED) files; everything from the wheel is installed unchanged, but for the
     # metadata's requirement on the companion: the URL given to uv (which its clone's FETCH_HEAD records), not uv's
-    # clone in its cache (tests/tests_forkbuild/test_uv_lock.py: the lock that follows works anywhere)
+    # clone in its cache (tests/tests_forkbuild/test_pinned_git_url.py: the lock that follows works anywhere)
     metadata = f"{dist_info}/METADATA"
     assert {k: v for k, v in installed.items() if k in expected and k != metadata} == {
         k: v for k, v in expected.items() if k != metadata

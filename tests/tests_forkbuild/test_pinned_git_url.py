@@ -1,4 +1,8 @@
-"""A uv project that adds the fork by its git URL gets a ``uv.lock`` that works anywhere.
+"""The README's pinned install lines work: ``pip install "lightning @ git+URL@<tag>"`` (the form of requirements files)
+and ``uv add "lightning @ git+URL@<tag>"``, whose ``uv.lock`` works anywhere.
+
+pip builds a named requirement in ``pip-install-*/lightning_<hex>`` (not in ``pip-req-build-*`` as for a bare URL);
+the wheel built there must name its companion by the same URL and commit, or pip finds no ``pytorch-lightning``.
 
 ``uv add "lightning @ git+URL"`` builds ``lightning`` in uv's own clone of the URL, and ``lightning`` requires its
 companion ``pytorch-lightning`` from the same repository and commit (forkbuild/companion.py). That requirement must
@@ -61,6 +65,18 @@ def _project(folder: Path) -> Path:
         encoding="utf-8",
     )
     return folder
+
+
+def test_pip_named_requirement_at_a_tag(helpers, pin: Pin, upstream_dir: Path, tmp_path: Path) -> None:
+    commit = _git_repo(helpers, tmp_path / "repo")
+    url = "git+file://localhost" + (tmp_path / "repo").as_posix()  # the form pip 23 accepts for a local path
+    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
+    done = helpers.pip_wheel(f"lightning @ {url}@{TAG}", tmp_path / "out", env)
+    assert done.returncode == 0, done.stdout
+    wheel = helpers.only_wheel(tmp_path / "out", pin)
+    metadata = helpers.wheel_files(wheel)[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
+    companion = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: pytorch-lightning")]
+    assert companion == [f"Requires-Dist: pytorch-lightning @ {url}@{commit}#subdirectory=packaging/pytorch-lightning"]
 
 
 def _uv_run(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
