@@ -112,7 +112,11 @@ def run_part(python: str, name: str, device: str, dry_run: bool, timeout: float,
         status, error = "timeout", f"stopped at its share of the budget ({timeout:.0f} s)"
         code = None
     records = read_records(out)
-    if status == "ok" and (code != 0 or not any(r.get("kind") == "done" for r in records)):
+    done = any(r.get("kind") == "done" for r in records)
+    if status == "timeout" and done:
+        status, error = "ok", None  # its work was done: only its exit hung (a process group, a thread)
+        log.write(f"part {name}: finished, then hung at exit and was stopped\n")
+    elif status == "ok" and (code != 0 or not done):
         status, error = "error", f"the part's process exited with {code} before its end (see gpu-check.log)"
     return {
         "status": status, "error": error, "elapsed_s": time.time() - started,

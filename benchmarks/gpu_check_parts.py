@@ -599,18 +599,16 @@ def fsdp_rows(part: Part) -> None:
     with part.row("FSDPPrecision('16-mixed', scaler=ShardedGradScaler(...)), two optimizers, one backward, "
                   "manual value clipping" + (", strategy='fsdp' on one GPU" if device == "cuda" else
                                              " (CPU: one-device Trainer, gloo group)")) as row:
-        own_group = False
         if device != "cuda" and not dist.is_initialized():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
             dist.init_process_group("gloo", rank=0, world_size=1)
-            own_group = True
         reference, recipe_error = attempt(recipe)
         expected, expected_scales = reference if reference is not None else (None, None)
         runs = fork_and_stock(run)
-        if own_group and dist.is_initialized():
+        if dist.is_initialized():  # ours (CPU) or the FSDP strategy's (CUDA): a group left at exit can hang it
             dist.destroy_process_group()
         row["recipe"] = f"raises {recipe_error}" if recipe_error else "reference (autocast, GradScaler)"
         for who, (res, err) in runs.items():

@@ -118,6 +118,10 @@ FAKE_PARTS = textwrap.dedent("""\
     elif part == "cost":
         emit(kind="row", check="before the hang", verdict="INFO")
         time.sleep(60)
+    elif part == "exit_hang":
+        emit(kind="row", check="all of it", verdict="PASS")
+        emit(kind="done")
+        time.sleep(60)
     else:
         emit(kind="row", check=part, verdict="PASS")
     emit(kind="done")
@@ -157,6 +161,13 @@ def test_a_part_past_its_time_is_stopped_with_its_rows_kept(tmp_path, fake_pytho
     assert time.time() - started < 30
     assert result["status"] == "timeout"
     assert [r["check"] for r in result["rows"]] == ["before the hang"]
+
+
+def test_a_part_that_hangs_only_at_exit_completed(tmp_path, fake_python):
+    with open(tmp_path / "log", "w") as log:
+        result = driver.run_part(fake_python, "exit_hang", "cpu", True, 3.0, tmp_path, log)
+    assert (result["status"], result["error"]) == ("ok", None)
+    assert [r["check"] for r in result["rows"]] == ["all of it"]
 
 
 def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
