@@ -705,7 +705,6 @@ class SmallTransformer(nn.Module):
         return F.mse_loss(self.head(self.encoder(x)[:, -1]).float(), y)
 
 
-COST_MODELS = {"mlp": "4 x 256 MLP", "many": "1,000-parameter-tensor model", "transformer": "small transformer"}
 #: the cost part's sizes: (CUDA, dry run on the CPU)
 COST_SIZES = {
     False: {"mlp_width": 256, "mlp_depth": 4, "mlp_batch": 256, "many_width": 8, "many_layers": 500,
@@ -722,9 +721,14 @@ class CostCell:
     fused: bool
     automatic: bool = True
 
-    @property
-    def name(self) -> str:
-        return (f"{COST_MODELS[self.model]}, {self.precision} {'fused' if self.fused else 'foreach'} AdamW + StepLR, "
+    def name(self, sizes: dict) -> str:
+        """The row's label, with the model's sizes (the dry run's are tiny)."""
+        model = {
+            "mlp": f"{sizes['mlp_depth']} x {sizes['mlp_width']} MLP",
+            "many": f"{2 * sizes['many_layers']}-parameter-tensor model",
+            "transformer": f"{sizes['tf_layers']}-layer transformer (d={sizes['tf_d']}, seq {sizes['tf_seq']})",
+        }[self.model]
+        return (f"{model}, {self.precision} {'fused' if self.fused else 'foreach'} AdamW + StepLR, "
                 f"{'automatic' if self.automatic else 'manual'}")
 
 
@@ -900,7 +904,7 @@ def part_cost(part: Part) -> None:
     cells = cost_cells(dry)
     # host synchronisations per step: one short run per contender and cell
     for cell in cells:
-        with part.row(f"host syncs per step: {cell.name}") as row:
+        with part.row(f"host syncs per step: {cell.name(sizes)}") as row:
             for who in ("fork", "stock", "recipe"):
                 value, err = attempt(lambda: cost_run(who, cell, sizes, device, 3 if not dry else 1,
                                                       5 if not dry else 2, syncs=True))
@@ -933,7 +937,7 @@ def part_cost(part: Part) -> None:
         round_s, r = time.time() - started, r + 1
         part.emit("progress", rounds=r, round_s=round_s)
     for cell in cells:
-        with part.row(f"time per step: {cell.name}") as row:
+        with part.row(f"time per step: {cell.name(sizes)}") as row:
             for who in ("fork", "stock", "recipe"):
                 t = times.get((cell, who), [])
                 row[who] = f"raises {errors[(cell, who)]}" if (cell, who) in errors else (
