@@ -11,7 +11,7 @@ The results are one dict (the JSON file's content, :data:`SCHEMA` 1)::
      "parts": [{"name": "reports", "title": "...", "status": "ok", "elapsed_s": 41.0, "error": null,
                 "rows": [{"check": "...", "fork": "...", "stock": "...", "recipe": "...",
                           "verdict": "PASS", "notes": "...", "data": {...}}]}],
-     "summary": {"PASS": 12, "FAIL": 0, "INFO": 9, "ERROR": 0, "N/A": 1}}
+     "summary": {"PASS": 12, "FAIL": 0, "INFO": 9, "ERROR": 0, "N/A": 1, "parts_failed": 0}}
 
 A part's ``status``: ``ok`` (it ran to its end), ``error`` (its process failed: ``error`` says how; the rows it wrote
 before are kept), ``timeout`` (stopped at its share of the time budget; rows kept), ``skipped`` (the budget was spent).
