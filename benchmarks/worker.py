@@ -40,12 +40,11 @@ import resource
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import build_batches, build_model, build_optimizer  # noqa: E402
+from workloads import build_batches, build_model, build_optimizer, manual_step, recipe_step  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -211,21 +210,7 @@ def run_raw(spec: dict, gate: Channel | None = None) -> dict:
     meter.start()
     for x, y in loader:
         clock.mark()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=dtype) if dtype is not None else nullcontext():
-            loss = model.loss(x, y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if clip:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
+        recipe_step(model, opt, scaler, x, y, device, dtype, clip)
     times = clock.intervals()
     return {"times": times, "cpu_times": clock.cpu_intervals(), "mem": meter.stop(), "mem_method": meter.method,
             "lightning": None}
@@ -252,13 +237,7 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
             x, y = batch
             if self.automatic_optimization:
                 return self.model.loss(x, y)
-            opt = self.optimizers()
-            opt.zero_grad()
-            loss = self.model.loss(x, y)
-            self.manual_backward(loss)
-            if clip:
-                self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-            opt.step()
+            manual_step(self, x, y, clip)
             return None
 
         def configure_optimizers(self):

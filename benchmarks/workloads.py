@@ -130,3 +130,39 @@ def build_optimizer(params, fused: bool, foreach: bool | None = None) -> torch.o
     if fused:
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
     return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+
+
+def recipe_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, x: torch.Tensor, y: torch.Tensor,
+                device: str, dtype, clip: float) -> None:
+    """One iteration of PyTorch's AMP recipe, written out: autocast around the forward pass and loss only (``dtype``
+    None: no autocast); with a ``scaler`` (16-mixed) ``scaler.scale(loss).backward()``, ``scaler.unscale_`` before
+    clipping, ``scaler.step``, ``scaler.update``."""
+    from contextlib import nullcontext
+
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=dtype) if dtype is not None else nullcontext():
+        loss = model.loss(x, y)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+
+
+def manual_step(module, x: torch.Tensor, y: torch.Tensor, clip: float) -> None:
+    """One manual-optimization ``training_step`` of a LightningModule whose ``model`` is a workload: zero the
+    gradients, ``manual_backward``, clip by norm (``clip`` > 0), step."""
+    opt = module.optimizers()
+    opt.zero_grad()
+    loss = module.model.loss(x, y)
+    module.manual_backward(loss)
+    if clip:
+        module.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+    opt.step()

@@ -1,0 +1,240 @@
+"""Python work per training step, counted, not timed: the fork against stock Lightning 2.6.6 and PyTorch's recipe.
+
+    .venv/bin/python benchmarks/count_calls.py                 # every workload and mode -> a table on stdout
+    .venv/bin/python benchmarks/count_calls.py --workloads mlp --modes manual --top 10 --json out.json
+
+Each measurement runs in its own interpreter and trains a workload of ``benchmarks/workloads.py`` for 46 steps under
+16-mixed (a CPU ``GradScaler``) or bf16-mixed, with a step-interval LR scheduler (stepped by Lightning in automatic
+optimization, by hand elsewhere); over steps 16-45 (30 steady-state steps) it counts:
+
+- **Python calls**: every ``call`` event of ``sys.setprofile`` (functions, methods, generators resumed, lambdas;
+  calls into C are not counted), per step; and which functions they were, so a difference names what adds it.
+- **Host reads**: calls of ``Tensor.item``, ``Tensor.__bool__``, ``Tensor.__float__``, ``Tensor.__int__`` and
+  ``Tensor.tolist`` (each a device synchronisation on CUDA), per step.
+
+The fork is ``lightning`` as installed; stock is the unpatched copy that ``make install`` puts beside it as
+``stock_pytorch_lightning`` / ``stock_lightning_fabric``; "recipe" is the hand-written loop of ``worker.run_raw``'s
+shape. Counts are deterministic for a given torch and Python, so one run each suffices (no rounds, no noise band).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+STEPS, FIRST, LAST = 46, 16, 46  # count over steps FIRST .. LAST - 1
+#: small shapes: the counts do not depend on the sizes, only the run time does
+SIZES = {"mlp_width": 256, "mlp_depth": 4, "mlp_batch": 8, "many_width": 8, "many_layers": 500, "many_batch": 4}
+HOST_READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+
+class Counter:
+    """Counts Python calls (by function) and host reads while switched on."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter = collections.Counter()
+        self.reads: collections.Counter = collections.Counter()
+        self.on = False
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            self.calls[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+
+    def start(self) -> None:
+        self.on = True
+        sys.setprofile(self._profile)
+
+    def stop(self) -> None:
+        sys.setprofile(None)
+        self.on = False
+
+    def wrap_host_reads(self) -> None:
+        import torch
+
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                if self.on:
+                    self.reads[_name] += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+
+
+def _scaler(precision: str) -> Any:
+    import torch
+
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10) if precision == "16-mixed" else None
+
+
+def _scheduler(opt: Any) -> Any:
+    import torch
+
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.99)
+
+
+def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, clip: float) -> dict:
+    """One measurement in this interpreter: ``impl`` is fork, stock or recipe."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from workloads import build_batches, build_model, build_optimizer, manual_step, recipe_step
+
+    counter = Counter()
+    counter.wrap_host_reads()
+    torch.manual_seed(0)
+    batches = build_batches(workload, SIZES, "cpu")
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
+
+    def window(step: int) -> None:
+        if step == FIRST:
+            counter.start()
+        elif step == LAST:
+            counter.stop()
+
+    if impl == "recipe":
+        model = build_model(workload, SIZES)
+        opt = build_optimizer(model.parameters(), fused)
+        scheduler = _scheduler(opt)
+        scaler = _scaler(precision)
+        for step in range(STEPS + 1):
+            window(step)
+            x, y = batches[step % len(batches)]
+            recipe_step(model, opt, scaler, x, y, "cpu", dtype, clip)
+            scheduler.step()
+    elif mode == "fabric":
+        fabric_pkg = __import__("lightning.fabric" if impl == "fork" else "stock_lightning_fabric", fromlist=["x"])
+        precision_pkg = __import__(f"{fabric_pkg.__name__}.plugins.precision", fromlist=["MixedPrecision"])
+        scaler = _scaler(precision)
+        plugin = precision_pkg.MixedPrecision(precision, "cpu", scaler=scaler)
+        fabric = fabric_pkg.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = build_model(workload, SIZES)
+        model, opt = fabric.setup(model, build_optimizer(model.parameters(), fused))
+        scheduler = _scheduler(opt.optimizer)
+        for step in range(STEPS + 1):
+            window(step)
+            x, y = batches[step % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            with fabric.autocast():
+                loss = model.module.loss(x, y)
+            fabric.backward(loss)
+            if clip:
+                fabric.clip_gradients(model, opt, max_norm=clip)
+            opt.step()
+            scheduler.step()
+    else:
+        pl = __import__("lightning.pytorch" if impl == "fork" else "stock_pytorch_lightning", fromlist=["x"])
+        precision_pkg = __import__(f"{pl.__name__}.plugins.precision", fromlist=["MixedPrecision"])
+        from torch.utils.data import DataLoader
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = build_model(workload, SIZES)
+                self.automatic_optimization = mode == "auto"
+
+            def training_step(self, batch: Any, batch_idx: int) -> Any:
+                x, y = batch
+                if self.automatic_optimization:
+                    return self.model.loss(x, y)
+                manual_step(self, x, y, clip)
+                self.lr_schedulers().step()
+                return None
+
+            def configure_optimizers(self) -> Any:
+                opt = build_optimizer(self.parameters(), fused)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": _scheduler(opt), "interval": "step"}}
+
+        class Window(pl.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                window(batch_idx)
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                counter.stop()
+
+        plugin = precision_pkg.MixedPrecision(precision, "cpu", scaler=_scaler(precision))
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Window()],
+            plugins=[plugin], gradient_clip_val=clip if (clip and mode == "auto") else None,
+        )
+        data = [batches[i % len(batches)] for i in range(STEPS + 1)]
+        trainer.fit(Module(), train_dataloaders=DataLoader(data, batch_size=None))
+    counter.stop()
+    steps = LAST - FIRST
+    return {
+        "calls_per_step": sum(counter.calls.values()) / steps,
+        "reads_per_step": sum(counter.reads.values()) / steps,
+        "reads": dict(counter.reads),
+        "calls": dict(counter.calls),
+    }
+
+
+def run_one(impl: str, workload: str, mode: str, precision: str, fused: bool, clip: float) -> dict:
+    spec = json.dumps([impl, workload, mode, precision, fused, clip])
+    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{spec} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def top_differences(fork: dict, stock: dict, top: int) -> list[str]:
+    """The functions whose calls per step differ most between the fork and stock (fork minus stock)."""
+    steps = LAST - FIRST
+    names = set(fork["calls"]) | set(stock["calls"])
+    diff = {n: (fork["calls"].get(n, 0) - stock["calls"].get(n, 0)) / steps for n in names}
+    ranked = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+    return [f"{name} {delta:+.1f}" for name, delta in ranked if delta]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "many"], choices=["mlp", "many"])
+    parser.add_argument("--modes", nargs="+", default=["manual", "auto", "fabric"], choices=["manual", "auto", "fabric"])
+    parser.add_argument("--precisions", nargs="+", default=["16-mixed"], choices=["16-mixed", "bf16-mixed"])
+    parser.add_argument("--fused", nargs="+", type=int, default=[0, 1], help="0: for-loop AdamW, 1: fused AdamW")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="clip by norm at this value (0: no clipping); fused rows never clip: stock refuses to")
+    parser.add_argument("--top", type=int, default=5, help="name the functions that add the most calls")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(*json.loads(args.one))))
+        return 0
+    rows, results = [], []
+    print("| workload | mode | precision | AdamW, clip | calls/step fork | stock | fork/stock | host reads/step fork |"
+          " stock | recipe | most added by the fork |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for workload in args.workloads:
+        for precision in args.precisions:
+            for fused in args.fused:
+                clip = 0.0 if fused else args.clip
+                recipe = run_one("recipe", workload, "recipe", precision, bool(fused), clip)
+                for mode in args.modes:
+                    fork = run_one("fork", workload, mode, precision, bool(fused), clip)
+                    stock = run_one("stock", workload, mode, precision, bool(fused), clip)
+                    ratio = fork["calls_per_step"] / stock["calls_per_step"]
+                    row = (f"| {workload} | {mode} | {precision} | {'fused' if fused else 'for-loop'}, {clip:g} |"
+                           f" {fork['calls_per_step']:.1f} | {stock['calls_per_step']:.1f} | {ratio:.3f} |"
+                           f" {fork['reads_per_step']:.2f} | {stock['reads_per_step']:.2f} |"
+                           f" {recipe['reads_per_step']:.2f} | {'; '.join(top_differences(fork, stock, args.top))} |")
+                    print(row, flush=True)
+                    rows.append(row)
+                    results.append({"workload": workload, "mode": mode, "precision": precision, "fused": bool(fused),
+                                    "clip": clip, "fork": fork, "stock": stock, "recipe": recipe})
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
