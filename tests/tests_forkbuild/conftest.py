@@ -97,6 +97,17 @@ def copy_build_inputs(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The newest pip the configured index offers, as a wheel file (pip runs from its own wheel: ``python
+    pip.whl/pip``), beside the 23.2.1 that ``python -m venv`` puts into the environment."""
+    folder = tmp_path_factory.mktemp("newest-pip")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "pip", "--no-deps", "--only-binary=:all:", "-d",
+                           str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return next(folder.glob("pip-*.whl"))
+
+
+@pytest.fixture(scope="session")
 def pin() -> Pin:
     return read_pin()
 

@@ -381,17 +381,6 @@ def _uv_or_skip() -> str:
     return str(uv)
 
 
-@pytest.fixture(scope="module")
-def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The newest pip the configured index offers, as a wheel file (pip runs from its own wheel: ``python
-    pip.whl/pip``), beside the 23.2.1 that ``python -m venv`` puts into the environment."""
-    folder = tmp_path_factory.mktemp("newest-pip")
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "pip", "--no-deps", "--only-binary=:all:", "-d",
-                           str(folder)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return next(folder.glob("pip-*.whl"))
-
-
 def _installed_metadata(venv: Venv, distribution: str) -> list[str]:
     code = f"import importlib.metadata as m; print(*m.requires({distribution!r}), sep='\\n')"
     return venv.run("-c", code).stdout.splitlines()

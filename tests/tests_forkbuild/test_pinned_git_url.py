@@ -67,11 +67,22 @@ def _project(folder: Path) -> Path:
     return folder
 
 
-def test_pip_named_requirement_at_a_tag(helpers, pin: Pin, upstream_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("installer", ["pip", "newest-pip"])
+def test_pip_named_requirement_at_a_tag(
+    request, helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, installer: str
+) -> None:
     commit = _git_repo(helpers, tmp_path / "repo")
     url = "git+file://localhost" + (tmp_path / "repo").as_posix()  # the form pip 23 accepts for a local path
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
-    done = helpers.pip_wheel(f"lightning @ {url}@{TAG}", tmp_path / "out", env)
+    if installer == "pip":  # the test environment's pip
+        done = helpers.pip_wheel(f"lightning @ {url}@{TAG}", tmp_path / "out", env)
+    else:
+        (tmp_path / "out").mkdir()
+        pip = request.getfixturevalue("newest_pip") / "pip"
+        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{TAG}", "--no-deps", "--no-cache-dir", "-w",
+                   str(tmp_path / "out")]  # fmt: skip
+        done = subprocess.run(command, env=env, cwd=tmp_path / "out", stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout
     wheel = helpers.only_wheel(tmp_path / "out", pin)
     metadata = helpers.wheel_files(wheel)[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
