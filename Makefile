@@ -116,12 +116,13 @@ gpu-check:
 	  $(or $(GPU_PYTHON),$(GPU_VENV)/bin/python) benchmarks/gpu_check.py $(GPU_CHECK_ARGS); \
 	fi
 
-## pr-stack: the stack of small upstream PRs (upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM, each on
-##   upstream master 7f0c343 alone; checks each PR's limits (400/600/300 changed lines under src/tests/docs) and writes
-##   build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
+## pr-stack: the stack of small upstream PRs (upstream/stack/<NN>-<slug>/), one branch each in UPSTREAM on upstream
+##   master 7f0c343 (BASE=<commit> for a tree exported from it) alone, and each merged in merge order onto its
+##   predecessors (branch amp/stack-in-order); checks each PR's limits (400/600/300 changed lines under src/tests/docs)
+##   and writes build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
 pr-stack:
-	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [FORCE=1]" >&2; exit 2; }
-	$(PYTHON) upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(FORCE),--force)
+	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [BASE=<commit>] [FORCE=1]" >&2; exit 2; }
+	$(PYTHON) upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(BASE),--base "$(BASE)") $(if $(FORCE),--force)
 
 ## series-check: the series reviewable one concern at a time: every own file claimed by its patch, each patch's
 ##   Forwarded: pointing where its concern went, no patch rewriting an earlier one (churn < 5%), and every prefix

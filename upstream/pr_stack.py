@@ -1,31 +1,37 @@
 #!/usr/bin/env python3
-"""Build the stack of small upstream pull requests: one branch per folder of ``upstream/stack/``.
+"""Build and check the stack of small upstream pull requests: one branch per folder of ``upstream/stack/``.
 
     python3 upstream/pr_stack.py --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
     python3 upstream/pr_stack.py --check                              (the folders only; no clone, CI runs it)
 
-Each folder ``upstream/stack/<NN>-<slug>/`` is one proposed PR, based on upstream master alone (none on another;
-NN only orders the listing), and holds:
+Each folder ``upstream/stack/<NN>-<slug>/`` is one proposed PR, written against upstream master (``changes.patch``
+applies there alone), and holds:
 
 ``pr.toml``         ``branch = "amp/<slug>"``, ``title`` (imperative, under 72 characters), ``closes = ["#NNNNN"]``
                     (the open upstream issues it fixes; ``[]`` for a follow-up that no issue tracks), ``touches_tests``
-                    (the upstream test files the change could affect)
+                    (the upstream test files the change could affect), ``merge_order`` (1, 2, ...: the order in which
+                    the PRs are meant to merge; NN only orders the listing)
 ``changes.patch``   ``git diff --binary`` of the whole PR against the base commit (source, tests, docs, CHANGELOGs)
 ``description.md``  the PR text a maintainer reads
 
-For every folder, in order, the script creates the branch ``<branch>`` at the base commit with one commit: the patch
-applied with ``git apply --cached`` to a temporary index read from the base (the commit ``git apply --index`` would
-make, without touching the clone's work tree, index or HEAD), subject = title, body = the description's first
-paragraph and one ``Fixes #N`` line per closed issue. Before any branch is made, every folder is checked: its
-``pr.toml`` keys, its description (no words about this repository's own process), and the limits per PR (changed
-lines, added plus removed: at most 400 under ``src/``, 600 under ``tests/``, 300 under ``docs/``); a failure names the
-PR and the limit. A branch that exists already is refused (``--force`` replaces it). On any failure the branches this
-run created are deleted and replaced ones restored: the clone is left exactly as it was. Last, the manifest
-``build/pr-stack/stack.json``: ``{"base": ..., "prs": [{"branch", "title", "closes", "description", "lines",
-"commit"}]}``.
+Each PR is checked twice against the clone: **alone** (the patch applies to the base; the branch ``<branch>`` is made
+from it: one commit on the base, made in a temporary index, subject = title, body = the description's first paragraph
+and one ``Fixes #N`` line per closed issue) and **in order** (its branch's changes merge, file by file with
+``git merge-file``, onto the base with every PR of a lower ``merge_order`` merged: the state after its predecessors were
+merged upstream). A conflict in order fails the run, naming the PR, its predecessors and the file; only a
+``CHANGELOG.md`` conflict is resolved by keeping both sides' entries (``--union``, as a maintainer does), and the
+manifest says so. The in-order states are one chain of commits, one per PR, on the branch ``amp/stack-in-order``.
+
+Before any branch is made, every folder is checked: its ``pr.toml`` keys, its description (no words about this
+repository's own process, and its merge order stated), and the limits per PR (changed lines, added plus removed: at
+most 400 under ``src/``, 600 under ``tests/``, 300 under ``docs/``); a failure names the PR and the limit. A branch
+that exists already is refused (``--force`` replaces it). On any failure the branches this run created are deleted and
+replaced ones restored: the clone is left exactly as it was. Last, the manifest ``build/pr-stack/stack.json``:
+``{"base": ..., "order": [...], "in_order_branch": ..., "prs": [{"branch", "title", "closes", "description", "lines",
+"merge_order", "commit", "in_order_commit", "union_merged"}]}``.
 
 Exit status: 0 built (or, with ``--check``, the folders are well formed), 1 a folder is not (or its patch does not
-apply), 2 bad usage or a clone that cannot be used. Standard library only.
+apply alone or in order), 2 bad usage or a clone that cannot be used. Standard library only.
 """
 
 from __future__ import annotations
@@ -49,7 +55,10 @@ BASE = "7f0c3436cd3f6ad3753125672024fc415cbcb414"
 STACK = HERE / "stack"
 OUT = REPO / "build" / "pr-stack"
 LIMITS = {"src": 400, "tests": 600, "docs": 300}
-KEYS = {"branch": str, "title": str, "closes": list, "touches_tests": list}
+KEYS = {"branch": str, "title": str, "closes": list, "touches_tests": list, "merge_order": int}
+IN_ORDER_BRANCH = "amp/stack-in-order"
+# conflicts in these files are resolved by keeping both sides (each PR adds its own entry)
+UNION_FILES = ("CHANGELOG.md",)
 TITLE_MAX = 72
 _FOLDER = re.compile(r"^(\d\d)-([a-z0-9]+(?:-[a-z0-9]+)*)$")
 _ISSUE = re.compile(r"^#\d+$")
@@ -74,6 +83,7 @@ class PR:
     title: str
     closes: list[str]
     touches_tests: list[str]
+    merge_order: int = 0
 
     @property
     def name(self) -> str:
@@ -155,7 +165,7 @@ def read_pr(folder: Path) -> PR:
     except tomllib.TOMLDecodeError as err:
         raise StackError(f"{folder.name}/pr.toml: not valid TOML ({err})") from err
     problems = [f"key {key!r} missing or not a {kind.__name__}" for key, kind in KEYS.items()
-                if not isinstance(meta.get(key), kind)]
+                if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool)]
     problems += [f"unknown key {key!r} (the keys are {', '.join(KEYS)})" for key in meta if key not in KEYS]
     if problems:
         raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
@@ -171,7 +181,8 @@ def read_pr(folder: Path) -> PR:
             problems.append(f"touches_tests: {test!r} is not an upstream test file (tests/tests_pytorch/....py)")
     if problems:
         raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
-    return PR(folder, meta["branch"], meta["title"], list(meta["closes"]), list(meta["touches_tests"]))
+    return PR(folder, meta["branch"], meta["title"], list(meta["closes"]), list(meta["touches_tests"]),
+              meta["merge_order"])
 
 
 def check_pr(pr: PR) -> dict[str, int]:
@@ -181,6 +192,8 @@ def check_pr(pr: PR) -> dict[str, int]:
     problems += [f"description.md names {words}" for words in own_words(description)]
     if not first_paragraph(description):
         problems.append("description.md has no paragraph of text (the commit body)")
+    if pr.merge_order > 1 and not re.search(r"\bmerge order\b", description, re.I):
+        problems.append("description.md does not state the merge order (a line with 'merge order': what it follows)")
     problems += [f"description.md does not say 'Fixes {issue}'" for issue in pr.closes
                  if not re.search(rf"^.*\bFixes\b.*{issue}\b", description, re.M | re.I)]
     patch_text = pr.patch.read_text(encoding="utf-8")
@@ -211,7 +224,15 @@ def read_stack(stack: Path) -> list[PR]:
         if pr.branch in seen:
             raise StackError(f"{pr.name}: branch {pr.branch} is also {seen[pr.branch]}'s")
         seen[pr.branch] = pr.name
-    return prs
+    orders = sorted(pr.merge_order for pr in prs)
+    if orders != list(range(1, len(prs) + 1)):
+        listed = ", ".join(f"{pr.name}={pr.merge_order}" for pr in prs)
+        raise StackError(f"merge_order must number the PRs 1..{len(prs)}, each once (found {listed})")
+    return sorted(prs, key=lambda pr: pr.merge_order)
+
+
+def predecessors(pr: PR, prs: list[PR]) -> list[PR]:
+    return [other for other in prs if other.merge_order < pr.merge_order]
 
 
 def clone_state(checkout: Path) -> tuple[str, str, str]:
@@ -240,6 +261,76 @@ def build_branch(checkout: Path, base: str, pr: PR, env: dict[str, str]) -> str:
     return done.stdout.strip()
 
 
+def _blob(checkout: Path, commit: str, path: str) -> tuple[str, str] | None:
+    """(mode, blob sha) of ``path`` in ``commit``, or None where it has no such file."""
+    line = git(checkout, "ls-tree", commit, "--", path).stdout.strip()
+    if not line:
+        return None
+    mode, _, rest = line.partition(" ")
+    return mode, rest.split()[1]
+
+
+def _merge_file(checkout: Path, ours: str | None, base: str | None, theirs: str | None, union: bool) -> bytes | None:
+    """``git merge-file`` of three blobs (None: an empty file); the merged bytes, or None on a conflict."""
+    with tempfile.TemporaryDirectory(prefix="pr-stack-merge-") as tmp:
+        names = []
+        for name, sha in (("ours", ours), ("base", base), ("theirs", theirs)):
+            path = Path(tmp) / name
+            path.write_bytes(subprocess.run(["git", "-C", str(checkout), "cat-file", "blob", sha], capture_output=True,
+                                            check=True).stdout if sha else b"")
+            names.append(str(path))
+        done = subprocess.run(["git", "merge-file", "-p", *(["--union"] if union else []), *names],
+                              capture_output=True)
+        return done.stdout if done.returncode == 0 else None
+
+
+def merge_in_order(checkout: Path, base: str, tip: str, pr: PR, alone: str, env: dict[str, str],
+                   before: list[PR]) -> tuple[str, list[str]]:
+    """The PR's changes (its branch ``alone`` against ``base``) merged onto ``tip`` (the base with its predecessors
+    merged), one commit on ``tip``; returns its sha and the files merged by keeping both sides."""
+    changed = git(checkout, "diff", "--name-only", "--no-renames", base, alone).stdout.split()
+    union_merged = []
+    with tempfile.TemporaryDirectory(prefix="pr-stack-") as tmp:
+        index_env = {**env, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(checkout, "read-tree", tip, env=index_env)
+        for path in changed:
+            b, t, o = _blob(checkout, base, path), _blob(checkout, alone, path), _blob(checkout, tip, path)
+            if t == o or b == t:
+                continue  # the predecessors made the same change, or the PR leaves the file as the base has it
+            if b == o:
+                merged = t  # the predecessors left the file alone: the PR's version
+            elif t is None or o is None:
+                merged = "conflict"
+            else:
+                union = Path(path).name in UNION_FILES
+                data = _merge_file(checkout, o[1], b[1] if b else None, t[1], union=False)
+                if data is None and union:
+                    data = _merge_file(checkout, o[1], b[1] if b else None, t[1], union=True)
+                    union_merged.append(path)
+                if data is None:
+                    merged = "conflict"
+                else:
+                    sha = subprocess.run(["git", "-C", str(checkout), "hash-object", "-w", "--stdin"], input=data,
+                                         capture_output=True, check=True).stdout.decode().strip()
+                    merged = (t[0], sha)
+            if merged == "conflict":
+                names = ", ".join(other.name for other in before) or "none"
+                raise StackError(f"{pr.name}: does not merge in order (after {names}): {path} conflicts; rebase the"
+                                 " PR so that its change applies both on the base and after its predecessors")
+            if merged is None:
+                git(checkout, "update-index", "--force-remove", "--", path, env=index_env)
+            else:
+                git(checkout, "update-index", "--add", "--cacheinfo", f"{merged[0]},{merged[1]},{path}", env=index_env)
+        tree = git(checkout, "write-tree", "--missing-ok", env=index_env).stdout.strip()
+    message = f"{pr.title}\n\nIn merge order {pr.merge_order}, after: " + \
+        (", ".join(other.name for other in before) or "none (the base)") + "\n"
+    done = subprocess.run(["git", "-C", str(checkout), "commit-tree", tree, "-p", tip, "-F", "-"], input=message,
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise Failure(f"{pr.name}: `git commit-tree` failed in {checkout}:\n{done.stderr.strip()}")
+    return done.stdout.strip(), union_merged
+
+
 def pr_stack(checkout: Path, stack: Path = STACK, base: str = BASE, out: Path = OUT, force: bool = False) -> dict:
     """Build every branch of the stack in ``checkout`` and write ``out/stack.json``; returns the manifest."""
     if git(checkout, "rev-parse", "--is-inside-work-tree", check=False).stdout.strip() != "true":
@@ -252,26 +343,32 @@ def pr_stack(checkout: Path, stack: Path = STACK, base: str = BASE, out: Path = 
     before = clone_state(checkout)
     checked_out = before[0].removeprefix("refs/heads/")
     previous: dict[str, str] = {}  # branch -> its commit before this run ("" if it is new)
-    for pr in prs:
-        old = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{pr.branch}", check=False).stdout.strip()
+    for name, branch in [(pr.name, pr.branch) for pr in prs] + [("the stack in order", IN_ORDER_BRANCH)]:
+        old = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{branch}", check=False).stdout.strip()
         if old and not force:
-            raise Failure(f"{pr.name}: branch {pr.branch} exists in {checkout}; delete it, or pass --force"
+            raise Failure(f"{name}: branch {branch} exists in {checkout}; delete it, or pass --force"
                           " (make pr-stack FORCE=1) to replace it")
-        if old and pr.branch == checked_out:
-            raise Failure(f"{pr.name}: branch {pr.branch} is checked out in {checkout}: check out another first")
+        if old and branch == checked_out:
+            raise Failure(f"{name}: branch {branch} is checked out in {checkout}: check out another first")
     env = identity_env(checkout)
-    manifest = {"base": commit, "prs": []}
+    manifest = {"base": commit, "order": [pr.name for pr in prs], "in_order_branch": IN_ORDER_BRANCH, "prs": []}
     try:
+        alone = {pr.name: build_branch(checkout, commit, pr, env) for pr in prs}
+        tip, in_order = commit, {}
         for pr in prs:
-            sha = build_branch(checkout, commit, pr, env)
-            previous[pr.branch] = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{pr.branch}",
-                                      check=False).stdout.strip()
-            git(checkout, "update-ref", "-m", "pr_stack", f"refs/heads/{pr.branch}", sha)
+            tip, union_merged = merge_in_order(checkout, commit, tip, pr, alone[pr.name], env, predecessors(pr, prs))
+            in_order[pr.name] = (tip, union_merged)
+        for branch, sha in [(pr.branch, alone[pr.name]) for pr in prs] + [(IN_ORDER_BRANCH, tip)]:
+            previous[branch] = git(checkout, "rev-parse", "--verify", "-q", f"refs/heads/{branch}",
+                                   check=False).stdout.strip()
+            git(checkout, "update-ref", "-m", "pr_stack", f"refs/heads/{branch}", sha)
+        for pr in prs:
             manifest["prs"].append({
                 "branch": pr.branch, "title": pr.title, "closes": pr.closes,
                 "description": pr.description.resolve().relative_to(REPO).as_posix()
                 if pr.description.resolve().is_relative_to(REPO) else str(pr.description),
-                "lines": lines[pr.name], "commit": sha,
+                "lines": lines[pr.name], "merge_order": pr.merge_order, "commit": alone[pr.name],
+                "in_order_commit": in_order[pr.name][0], "union_merged": in_order[pr.name][1],
             })
     except Failure:
         for branch, old in previous.items():
@@ -301,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--upstream is required (or --check)")
     try:
         if args.check:
-            for pr in read_stack(args.stack):
+            for pr in sorted(read_stack(args.stack), key=lambda pr: pr.name):
                 sizes = check_pr(pr)
-                print(f"{pr.name}: {pr.branch}, src {sizes['src']}, tests {sizes['tests']}, docs {sizes['docs']}")
+                print(f"{pr.name}: {pr.branch}, merge order {pr.merge_order}, src {sizes['src']}, tests {sizes['tests']},"
+                      f" docs {sizes['docs']}")
             return 0
         manifest = pr_stack(args.upstream.expanduser().resolve(), args.stack, args.base, args.out, args.force)
     except StackError as err:
@@ -314,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for pr in manifest["prs"]:
         sizes = ", ".join(f"{top} {n}" for top, n in pr["lines"].items())
-        print(f"{pr['branch']}: {pr['commit'][:10]} {pr['title']} ({sizes})")
-    print(f"pr_stack: {len(manifest['prs'])} branches on {manifest['base'][:10]} in {args.upstream};"
-          f" manifest {args.out / 'stack.json'}")
+        union = f"; in order, kept both sides of {', '.join(pr['union_merged'])}" if pr["union_merged"] else ""
+        print(f"{pr['merge_order']}. {pr['branch']}: {pr['commit'][:10]} alone, {pr['in_order_commit'][:10]} in order"
+              f" {pr['title']} ({sizes}){union}")
+    print(f"pr_stack: {len(manifest['prs'])} branches on {manifest['base'][:10]} in {args.upstream}, each applies alone"
+          f" and in order ({IN_ORDER_BRANCH}); manifest {args.out / 'stack.json'}")
     return 0
 
 

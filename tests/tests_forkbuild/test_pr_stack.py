@@ -27,6 +27,8 @@ Second line of the first paragraph.
 
 Fixes {closes}
 
+Merge order: after the PRs before it, if any.
+
 ## Evidence
 
 Measured before and after.
@@ -73,13 +75,14 @@ def diff_of(clone: Path, edits: dict[str, str]) -> str:
 
 
 def add_pr(stack: Path, folder: str, patch: str, *, title: str = "Fix the widget", closes: tuple[str, ...] = ("#101",),
-           description: str | None = None) -> Path:
+           description: str | None = None, merge_order: int | None = None) -> Path:
     pr = stack / folder
     pr.mkdir(parents=True)
     slug = folder.split("-", 1)[1]
     closes_toml = ", ".join(f'"{c}"' for c in closes)
+    order = int(folder[:2]) if merge_order is None else merge_order
     (pr / "pr.toml").write_text(f'branch = "amp/{slug}"\ntitle = "{title}"\ncloses = [{closes_toml}]\n'
-                                'touches_tests = ["tests/tests_pytorch/test_widget.py"]\n')
+                                f'merge_order = {order}\ntouches_tests = ["tests/tests_pytorch/test_widget.py"]\n')
     (pr / "changes.patch").write_text(patch)
     (pr / "description.md").write_text(description or DESCRIPTION.format(what=slug, closes=" ".join(closes)))
     return pr
@@ -104,6 +107,16 @@ def run_stack(clone: Path, stack: Path, out: Path, *extra: str) -> subprocess.Co
 def clone_state(clone: Path) -> tuple[str, str, str, str]:
     return (git(clone, "symbolic-ref", "HEAD"), git(clone, "rev-parse", "HEAD"),
             git(clone, "status", "--porcelain", "--untracked-files=all"), git(clone, "branch", "--list"))
+
+
+def assert_refused(clone: Path, stack: Path, out: Path, message: str) -> None:
+    """The run fails (exit 1) with ``message`` and leaves the clone as it was, writing no manifest."""
+    before = clone_state(clone)
+    done = run_stack(clone, stack, out)
+    assert done.returncode == 1
+    assert message in done.stderr
+    assert clone_state(clone) == before
+    assert not (out / "stack.json").exists()
 
 
 def test_one_branch_per_folder_each_on_the_base_alone(upstream, tmp_path):
@@ -138,11 +151,100 @@ def test_stack_json(upstream, tmp_path):
     assert first == {
         "branch": "amp/widget-returns-two", "title": "Return two from the widget", "closes": ["#101"],
         "description": str(tmp_path / "stack" / "01-widget-returns-two" / "description.md"),
-        "lines": {"src": 2, "tests": 2, "docs": 0},
+        "lines": {"src": 2, "tests": 2, "docs": 0}, "merge_order": 1,
         "commit": git(upstream, "rev-parse", "amp/widget-returns-two").strip(),
+        "in_order_commit": git(upstream, "rev-parse", "amp/stack-in-order~1").strip(), "union_merged": [],
     }
     assert second["closes"] == ["#102", "#103"]
     assert second["lines"] == {"src": 0, "tests": 2, "docs": 2}
+    assert second["in_order_commit"] == git(upstream, "rev-parse", "amp/stack-in-order").strip()
+    assert manifest["order"] == ["01-widget-returns-two", "02-widget-docs"]
+
+
+def two_line_upstream(clone: Path) -> None:
+    """A second commit on master: a module of two functions and a CHANGELOG."""
+    (clone / "src" / "pkg" / "pair.py").write_text("def first():\n    return 1\n\n\n\ndef second():\n    return 1\n")
+    (clone / "CHANGELOG.md").write_text("# Changelog\n\n### Fixed\n\n-\n\n### Removed\n")
+    git(clone, "add", "-A")
+    git(clone, "commit", "-q", "-m", "pair")
+
+
+def test_each_pr_merges_in_order_onto_its_predecessors(upstream, tmp_path):
+    """The in-order branch: one commit per PR in merge order (not folder order), each PR's change merged onto its
+    predecessors'; each PR's own branch is still on the base alone."""
+    two_line_upstream(upstream)
+    stack = tmp_path / "stack"
+    pair = "def first():\n    return {}\n\n\n\ndef second():\n    return {}\n"
+    add_pr(stack, "01-second", diff_of(upstream, {"src/pkg/pair.py": pair.format(1, 2)}), merge_order=2)
+    add_pr(stack, "02-first", diff_of(upstream, {"src/pkg/pair.py": pair.format(2, 1)}), merge_order=1)
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    base = base_of(upstream)
+    assert git(upstream, "rev-parse", "amp/second^").strip() == base
+    assert git(upstream, "rev-list", "--count", f"{base}..amp/stack-in-order").strip() == "2"
+    assert git(upstream, "show", "amp/stack-in-order:src/pkg/pair.py") == pair.format(2, 2)
+    assert git(upstream, "show", "amp/stack-in-order~1:src/pkg/pair.py") == pair.format(2, 1)  # 02-first, order 1
+    assert "after: 02-first" in git(upstream, "log", "-1", "--format=%B", "amp/stack-in-order")
+    manifest = json.loads((tmp_path / "out" / "stack.json").read_text())
+    assert manifest["order"] == ["02-first", "01-second"]
+
+
+def test_a_conflict_in_order_fails_naming_the_pr_and_its_predecessors(upstream, tmp_path):
+    """Each PR applies to the base alone, but the second one's change conflicts with the first's: refused."""
+    two_line_upstream(upstream)
+    stack = tmp_path / "stack"
+    pair = "def first():\n    return {}\n\n\n\ndef second():\n    return 1\n"
+    add_pr(stack, "01-two", diff_of(upstream, {"src/pkg/pair.py": pair.format(2)}))
+    add_pr(stack, "02-three", diff_of(upstream, {"src/pkg/pair.py": pair.format(3)}))
+    assert_refused(upstream, stack, tmp_path / "out",
+                   "02-three: does not merge in order (after 01-two): src/pkg/pair.py conflicts")
+
+
+def test_changelog_entries_of_two_prs_are_both_kept_in_order(upstream, tmp_path):
+    two_line_upstream(upstream)
+    stack = tmp_path / "stack"
+    log = "# Changelog\n\n### Fixed\n\n- {}\n\n### Removed\n"
+    add_pr(stack, "01-a", diff_of(upstream, {"CHANGELOG.md": log.format("Fixed a")}))
+    add_pr(stack, "02-b", diff_of(upstream, {"CHANGELOG.md": log.format("Fixed b")}))
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert git(upstream, "show", "amp/stack-in-order:CHANGELOG.md") == log.format("Fixed a\n- Fixed b")
+    manifest = json.loads((tmp_path / "out" / "stack.json").read_text())
+    assert [pr["union_merged"] for pr in manifest["prs"]] == [[], ["CHANGELOG.md"]]
+    assert "kept both sides of CHANGELOG.md" in done.stdout
+
+
+def test_the_same_change_in_two_prs_merges_once(upstream, tmp_path):
+    """Two PRs that each need the same helper (safe in any merge order) carry it both; in order it is there once."""
+    stack = tmp_path / "stack"
+    helper = "def widget():\n    return 1\n\n\ndef helper():\n    return 0\n"
+    add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": helper}))
+    add_pr(stack, "02-b", diff_of(upstream, {"src/pkg/widget.py": helper, "docs/widget.rst": "W\n"}))
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert git(upstream, "show", "amp/stack-in-order:src/pkg/widget.py") == helper
+
+
+@pytest.mark.parametrize(("orders", "message"), [
+    ((1, 1), "merge_order must number the PRs 1..2, each once (found 01-a=1, 02-b=1)"),
+    ((1, 3), "merge_order must number the PRs 1..2"),
+])
+def test_the_merge_order_numbers_the_prs(upstream, tmp_path, orders, message):
+    stack = tmp_path / "stack"
+    add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}), merge_order=orders[0])
+    add_pr(stack, "02-b", diff_of(upstream, {"docs/widget.rst": "W\n"}), merge_order=orders[1])
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert message in done.stderr
+
+
+def test_a_later_pr_states_its_merge_order(upstream, tmp_path):
+    stack = tmp_path / "stack"
+    add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
+    add_pr(stack, "02-b", diff_of(upstream, {"docs/widget.rst": "W\n"}), description="Document it.\n\nFixes #101\n")
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert "02-b: description.md does not state the merge order" in done.stderr
 
 
 @pytest.mark.parametrize(("top", "path", "limit"), [
@@ -172,13 +274,8 @@ def test_a_patch_that_does_not_apply_leaves_the_clone_as_it_was(upstream, tmp_pa
     # written against another base: the context does not match master
     stale = diff_of(upstream, {"src/pkg/widget.py": "def widget():\n    return 2\n"}).replace("return 1", "return 7")
     add_pr(stack, "03-stale", stale)
-    before = clone_state(upstream)
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
-    assert "03-stale: changes.patch does not apply to the base" in done.stderr
     # the branches of 01 and 02, made before 03 failed, are gone again
-    assert clone_state(upstream) == before
-    assert not (tmp_path / "out" / "stack.json").exists()
+    assert_refused(upstream, stack, tmp_path / "out", "03-stale: changes.patch does not apply to the base")
 
 
 def test_an_existing_branch_is_refused_and_replaced_with_force(upstream, tmp_path):
@@ -208,11 +305,12 @@ def test_a_replaced_branch_is_restored_on_failure(upstream, tmp_path):
 
 
 @pytest.mark.parametrize(("toml", "message"), [
-    ('branch = "amp/other"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = []\n', "expected 'amp/widget'"),
-    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["1"]\ntouches_tests = []\n', "closes = ['1']"),
-    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\n', "key 'touches_tests' missing"),
-    (f'branch = "amp/widget"\ntitle = "{"x" * 72}"\ncloses = ["#1"]\ntouches_tests = []\n', "under 72 characters"),
-    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = ["src/x.py"]\n', "not an upstream test"),
+    ('branch = "amp/other"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = []\n', "expected 'amp/widget'"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["1"]\nmerge_order = 1\ntouches_tests = []\n', "closes = ['1']"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\n', "key 'touches_tests' missing"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = []\n', "key 'merge_order' missing"),
+    (f'branch = "amp/widget"\ntitle = "{"x" * 72}"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = []\n', "under 72 characters"),
+    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = ["src/x.py"]\n', "not an upstream test"),
 ])
 def test_pr_toml_is_checked(upstream, tmp_path, toml, message):
     pr = add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 2\n"}))
