@@ -1,4 +1,4 @@
-"""A LightningModule trained under Fabric and under the Trainer gives the same result (issue 7, item 4).
+"""A LightningModule trained under Fabric and under the Trainer gives the same result.
 
 One ``LightningModule`` (:class:`RecipeModule`), trained over the same fixed batches
 

@@ -1,4 +1,4 @@
-"""``import lightning_fabric`` gets the fork's fixes too (issue 15).
+"""``import lightning_fabric`` gets the fork's fixes too.
 
 The standalone ``pytorch-lightning`` distribution of the fork ships ``lightning_fabric`` built from the same patches and
 modules as ``lightning.fabric``, renamed. Checked through both import names against a hand-written PyTorch AMP recipe

@@ -1,4 +1,4 @@
-"""``import pytorch_lightning`` gets the fork's fixes too (issue 15).
+"""``import pytorch_lightning`` gets the fork's fixes too.
 
 The standalone ``pytorch-lightning`` distribution of the fork is built from the same patches and modules as
 ``lightning``, renamed (``lightning.pytorch`` -> ``pytorch_lightning``). Two of the fixes, checked through both import

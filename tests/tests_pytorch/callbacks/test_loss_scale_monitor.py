@@ -1,4 +1,4 @@
-"""``LossScaleMonitor`` logs the gradient scaler's loss scale and the number of skipped optimizer steps (issue 5).
+"""``LossScaleMonitor`` logs the gradient scaler's loss scale and the number of skipped optimizer steps.
 
 A tiny MLP is trained under 16-mixed with ``inf`` forced into the loss of chosen batches; the logged values must equal
 what PyTorch's AMP recipe, written by hand, shows after the same batches: the scale after the batch's update, and the

@@ -1,4 +1,4 @@
-"""Resuming from a checkpoint under 16-mixed continues exactly like the uninterrupted run (promise 9; issue 5).
+"""Resuming from a checkpoint under 16-mixed continues exactly like the uninterrupted run (promise 9).
 
 Each case trains a tiny MLP for ``TOTAL`` batches without interruption, saving a checkpoint after every batch
 (``ModelCheckpoint(every_n_train_steps=..., save_top_k=-1)``, the way users save mid-epoch), then resumes from chosen

@@ -156,7 +156,7 @@ class Resume:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    #: what it covers (``issue 12 item 2.k`` or a usage pattern)
+    #: what it covers (a usage pattern)
     about: str
     #: ``training_step`` body ``(module, batch, batch_idx)``
     step: Callable
@@ -1194,10 +1194,10 @@ _RECIPE_DIFFERS_UNLESS_32 = {"16-mixed": Differs("scale trajectory"), "bf16-mixe
 def _scenarios() -> list[Scenario]:
     gan_between = manual_gan_step(between=lambda module, batch_idx: module.save_point(batch_idx))
     return [
-        # ---- issue 12, item 2 ----------------------------------------------------------------------------------
+        # ---- usage patterns -----------------------------------------------------------------------------------
         Scenario(
             "checkpoint_between_gan_d_step_and_g_backward",
-            "12.2.1: trainer.save_checkpoint mid-iteration must not change the live run",
+            "trainer.save_checkpoint mid-iteration must not change the live run",
             gan_between,
             recipe_gan,
             P16,
@@ -1209,7 +1209,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "resume_from_checkpoint_between_gan_d_step_and_g_backward",
-            "12.2.1: ... and resumes exactly where Lightning's loop continues (it re-runs the batch)",
+            "... and resumes exactly where Lightning's loop continues (it re-runs the batch)",
             gan_between,
             recipe_gan,
             P16,
@@ -1222,7 +1222,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "checkpoint_in_on_before_optimizer_step_of_second_optimizer",
-            "12.2.1: a callback saving before the second of two optimizers fed by one backward",
+            "a callback saving before the second of two optimizers fed by one backward",
             manual_two_optimizers,
             recipe_two_optimizers,
             P16,
@@ -1234,7 +1234,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "resume_from_checkpoint_in_on_before_optimizer_step_of_second_optimizer",
-            "12.2.1: ... and resumes exactly",
+            "... and resumes exactly",
             manual_two_optimizers,
             recipe_two_optimizers,
             P16,
@@ -1246,7 +1246,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "step_in_on_train_epoch_end",
-            "12.2.2: backward every batch, opt.step() in on_train_epoch_end (full-epoch accumulation)",
+            "backward every batch, opt.step() in on_train_epoch_end (full-epoch accumulation)",
             step_backward_every_batch,
             recipe_epoch_end_step,
             MIXED_PRECISIONS,
@@ -1258,7 +1258,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "guard_skips_step_on_nonfinite_grads",
-            "12.2.3: clip, find non-finite gradients, skip opt.step(): the scale must still back off",
+            "clip, find non-finite gradients, skip opt.step(): the scale must still back off",
             guard_step(set_to_none=True),
             recipe_guard(set_to_none=True),
             P16,
@@ -1269,7 +1269,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "guard_skips_step_zero_grad_keeps_zeros",
-            "12.2.3 + 12.2.4: the same guard with zero_grad(set_to_none=False)",
+            "the same guard with zero_grad(set_to_none=False)",
             guard_step(set_to_none=False),
             recipe_guard(set_to_none=False),
             P16,
@@ -1280,7 +1280,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "step_on_zeroed_grads_without_backward",
-            "12.2.4: zero_grad(set_to_none=False), a batch without backward that still steps (momentum)",
+            "zero_grad(set_to_none=False), a batch without backward that still steps (momentum)",
             step_on_zeroed_grads,
             recipe_step_on_zeroed_grads,
             MIXED_PRECISIONS,
@@ -1289,7 +1289,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "two_optimizers_b_clipped_every_batch_stepped_every_second",
-            "12.2.5: B's unscaled gradients would receive scaled ones: the clear error of the one-optimizer case",
+            "B's unscaled gradients would receive scaled ones: the clear error of the one-optimizer case",
             clip_b_every_batch_step_every_second,
             None,
             P16,
@@ -1299,7 +1299,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "pcgrad_autograd_grad_of_scaled_losses",
-            "12.2.6: gradient surgery on torch.autograd.grad(scaler.scale(loss_i)) assigned to .grad",
+            "gradient surgery on torch.autograd.grad(scaler.scale(loss_i)) assigned to .grad",
             pcgrad_step,
             recipe_pcgrad,
             PRECISIONS,
@@ -1309,7 +1309,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "misuse_aux_loss_backward_next_to_manual_backward",
-            "12.2.7: aux.backward() next to self.manual_backward(main)",
+            "aux.backward() next to self.manual_backward(main)",
             aux_plain_backward,
             recipe_main_and_aux,
             P16,
@@ -1318,7 +1318,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "misuse_gan_g_loss_backward",
-            "12.2.7: G's loss.backward() after D used manual_backward",
+            "G's loss.backward() after D used manual_backward",
             manual_gan_step(plain_g_backward=True),
             recipe_gan,
             P16,
@@ -1329,7 +1329,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "raw_optimizer_step",
-            "12.2.7: self.optimizers(use_pl_optimizer=False).step(): raise, or step like the recipe",
+            "self.optimizers(use_pl_optimizer=False).step(): raise, or step like the recipe",
             raw_optimizer_step,
             recipe_plain,
             MIXED_PRECISIONS,
@@ -1341,7 +1341,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "gradient_penalty",
-            "12.2.7: torch's AMP gradient-penalty example (autograd.grad of the scaled loss, create_graph)",
+            "torch's AMP gradient-penalty example (autograd.grad of the scaled loss, create_graph)",
             gradient_penalty_step,
             recipe_gradient_penalty,
             PRECISIONS,
@@ -1350,7 +1350,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "scaler_disabled_by_the_user",
-            "12.2.8: MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
+            "MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
             manual_plain_recording,
             None,
             P16,
@@ -1360,7 +1360,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "scaler_disabled_by_the_user_automatic",
-            "12.2.8: the same in automatic optimization",
+            "the same in automatic optimization",
             auto_loss,
             None,
             P16,
@@ -1371,7 +1371,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "cuda_scaler_on_cpu",
-            "12.2.8: GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
+            "GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
             manual_plain_recording,
             None,
             P16,
@@ -1381,7 +1381,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "inplace_inner_update_between_forwards",
-            "12.2.9: a Reptile-style inner step written in place between two forwards",
+            "a Reptile-style inner step written in place between two forwards",
             reptile_step,
             recipe_reptile,
             MIXED_PRECISIONS,
@@ -1390,7 +1390,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "inplace_clamp_between_forwards",
-            "12.2.9: weights clamped in place after a no_grad forward, before the training forward",
+            "weights clamped in place after a no_grad forward, before the training forward",
             clamp_step,
             recipe_clamp,
             MIXED_PRECISIONS,
@@ -1400,7 +1400,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "inplace_perturbation_between_forwards",
-            "12.2.9: SAM written with autograd.grad: perturb in place, forward/backward, restore, step",
+            "SAM written with autograd.grad: perturb in place, forward/backward, restore, step",
             sam_step,
             recipe_sam,
             MIXED_PRECISIONS,
@@ -1409,7 +1409,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "loss_scale_monitor_under_accumulation",
-            "12.2.11: LossScaleMonitor logs once per optimizer step under gradient accumulation",
+            "LossScaleMonitor logs once per optimizer step under gradient accumulation",
             auto_loss,
             recipe_monitored_accumulation,
             P16,
@@ -1421,7 +1421,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "optimizer_without_gradients",
-            "12.2.12: an optimizer whose parameters got no gradient: a clear error or the recipe's skip",
+            "an optimizer whose parameters got no gradient: a clear error or the recipe's skip",
             two_heads_step,
             recipe_two_heads,
             MIXED_PRECISIONS,
@@ -1432,7 +1432,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "nested_autocast_dtype_mismatch_linear_manual",
-            "12.2.13: a weight in two low-precision dtypes in manual optimization, where the cache is off by default",
+            "a weight in two low-precision dtypes in manual optimization, where the cache is off by default",
             weight_in_two_dtypes,
             None,
             MIXED_PRECISIONS,
@@ -1441,7 +1441,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "nested_autocast_dtype_mismatch_linear_automatic",
-            "12.2.13: nn.Linear's 'mat1 and mat2 must have the same dtype' (cache on in automatic optimization) keeps"
+            "nn.Linear's 'mat1 and mat2 must have the same dtype' (cache on in automatic optimization) keeps"
             " torch's message and type and names the cache switch",
             weight_in_two_dtypes_automatic,
             None,
@@ -1452,7 +1452,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "device_mismatch_not_rewritten",
-            "12.2.13: a device mismatch worded 'should be the same' keeps its message",
+            "a device mismatch worded 'should be the same' keeps its message",
             device_mismatch_conv,
             None,
             MIXED_PRECISIONS,
@@ -1461,7 +1461,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "device_mismatch_meta_not_rewritten",
-            "12.2.13: torch's own device-mismatch error keeps its message",
+            "torch's own device-mismatch error keeps its message",
             device_mismatch_meta,
             None,
             MIXED_PRECISIONS,
@@ -1508,7 +1508,7 @@ def _scenarios() -> list[Scenario]:
         ),
         Scenario(
             "clip_gradients_returns_the_unscaled_norm",
-            "issue 16 item 1: self.clip_gradients returns the total norm of the unscaled gradients, as torch's does",
+            "self.clip_gradients returns the total norm of the unscaled gradients, as torch's does",
             manual_clip("norm"),
             recipe_clip("norm"),
             PRECISIONS,

@@ -1,4 +1,4 @@
-"""Mixed precision under DDP follows PyTorch's AMP recipe (issue 7, item 1; promise 10 of the fork's design).
+"""Mixed precision under DDP follows PyTorch's AMP recipe (promise 10 of the fork's design).
 
 ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` with 2 processes over gloo trains the cases of
 ``tests_pytorch/helpers/amp_ddp.py``: manual clipping under 16-mixed, two optimizers from one backward, fused AdamW with

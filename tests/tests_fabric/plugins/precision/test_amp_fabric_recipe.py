@@ -1,4 +1,4 @@
-"""Fabric follows PyTorch's AMP recipe (issue 7, item 3; promises 3-7, 9 and 10 of the fork's design).
+"""Fabric follows PyTorch's AMP recipe (promises 3-7, 9 and 10 of the fork's design).
 
 Every cell trains a tiny MLP through a hand-written Fabric loop and through the hand-written PyTorch AMP recipe and
 compares parameters bitwise, the scale that scaled every batch's loss, the scale after the last update and, per batch

@@ -173,7 +173,7 @@ def test_disabled_scaler_has_no_per_optimizer_states():
     without CUDA, which disables itself with a warning) has no ``_per_optimizer_states``, returns the loss unchanged
     from ``scale`` and just steps.
 
-    The fork's recipe checks ``scaler.is_enabled()`` before touching the private state (issue 12, case 8: a clear error
+    The fork's recipe checks ``scaler.is_enabled()`` before touching the private state (a clear error
     for a disabled scaler under 16-mixed); the 32-true/bf16-mixed reference loops use a disabled scaler on every torch.
     Stock 2.6.6 on torch < 2.4 builds ``torch.cuda.amp.GradScaler()`` for ``MixedPrecision("16-mixed", "cpu")``: on a
     CPU machine that scaler is disabled.
@@ -324,7 +324,7 @@ def test_no_inf_checks_assertions(device):
     recorded for this optimizer``; ``update()`` without any recorded inf check raises ``AssertionError: No inf checks
     were recorded prior to update``.
 
-    The fork turns the first into a clear error (issue 12, case 12) and calls ``update()`` only when an optimizer
+    The fork turns the first into a clear error and calls ``update()`` only when an optimizer
     stepped (or an inf check was recorded) in the iteration.
     """
     scaler = new_scaler(device)
@@ -494,7 +494,7 @@ def test_sharded_grad_scaler_records_1_element_inf_checks():
     2.13 and 2.14 on CPU).
 
     The fork reads the sharded scaler's inf checks through ``reshape``, and handles fused optimizers under FSDP's
-    scaler (issue 12, case 10) knowing the shape differs.
+    scaler knowing the shape differs.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -536,7 +536,7 @@ def test_autocast_cache_caches_fp32_leaves_that_require_grad_and_goes_stale():
     grad is cast anew every time.
 
     The reason the fork clears the cache after every backward and optimizer step, and wherever weights can change in
-    place inside a ``training_step`` (promise 2, issue 12 case 9).
+    place inside a ``training_step`` (promise 2).
     """
     x = torch.randn(2, 4)
     for requires_grad in (True, False):
@@ -590,7 +590,7 @@ def test_step_pre_hook_sees_scaler_steps_but_not_skipped_ones():
     ``GradScaler.step`` makes; the scaler does not call ``step()`` of a for-loop optimizer whose step it skips (inf),
     while a fused optimizer is always called (its kernel skips on ``found_inf``).
 
-    One way the fork can see a raw optimizer stepped outside its recipe (issue 12, case 7).
+    One way the fork can see a raw optimizer stepped outside its recipe.
     """
     for fused in (False, True) if "AdamW" in CPU_FUSED else (False,):
         param = nn.Parameter(torch.ones(3))

@@ -1,6 +1,6 @@
-"""The differential corpus (issue 12, item 4): every scenario through PyTorch's recipe, the fork and stock 2.6.6.
+"""The differential corpus: every scenario through PyTorch's recipe, the fork and stock 2.6.6.
 
-The scenarios are in ``tests_pytorch/helpers/amp_scenarios.py``: the cases of issue 12 item 2 (mid-iteration
+The scenarios are in ``tests_pytorch/helpers/amp_scenarios.py``: the usage patterns (mid-iteration
 checkpoints and resuming from them, a step in ``on_train_epoch_end``, a guard that skips non-finite steps,
 ``zero_grad(set_to_none=False)``, an optimizer clipped every batch but stepped every second, gradient surgery and
 gradient penalties on ``autograd.grad`` of the scaled loss, ``loss.backward()`` misuse, the raw optimizer's step, a

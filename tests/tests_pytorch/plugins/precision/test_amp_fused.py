@@ -1,4 +1,4 @@
-"""Fused optimizers under mixed precision (promise 6 of the fork's design; issue 4).
+"""Fused optimizers under mixed precision (promise 6 of the fork's design).
 
 ``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)`` are unscaled through the ``GradScaler`` like any other optimizer, so
 clipping works and ``on_before_optimizer_step`` sees true gradients, never unscaled twice; inf/NaN steps are skipped as

@@ -1,6 +1,6 @@
 """Skipped optimizer steps under 16-mixed are visible, and step-interval LR schedulers do not advance on them.
 
-Promise 7 of the fork's design (issue 5). The gradient scaler skips an optimizer step whose gradients hold inf/NaN and
+Promise 7 of the fork's design. The gradient scaler skips an optimizer step whose gradients hold inf/NaN and
 backs the loss scale off. The fork tells whether the last step of an optimizer was skipped
 (``LightningOptimizer.step_was_skipped``, answered by ``Precision.optimizer_step_was_skipped``), and in automatic
 optimization a scheduler with ``interval="step"`` stays put on such a step.
