@@ -24,7 +24,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 UPSTREAM ?=
 BRANCH ?=
-REF ?= 2.6.6
+REF ?= 2.6.5
 UPSTREAM_TEST_ARGS ?=
 FORCE ?=
 
@@ -130,12 +130,15 @@ pr-stack:
 series-check: setup
 	$(PY) tools/check_series.py --tests $(SERIES_TESTS)
 
-## upstream-test: upstream's own tests of the areas we touch, stock lightning 2.6.6 vs the fork (not in CI);
-##   with BRANCH=<the PR branch in UPSTREAM>, that branch vs its base (BASE, default master) from source; FULL=1: all CPU tests
+## upstream-test: upstream's own tests against the installed fork (not in CI): stock lightning 2.6.6 vs the fork on
+##   upstream's tests at REF (2.6.5: the last tag upstream's repository has) with the test patches, every failure on the
+##   fork owned by a test patch or not (FULL=1: the whole CPU suites); STACK=1: each stack PR's tests on the fork;
+##   BRANCH=<a stack branch in UPSTREAM>: that branch vs its base (BASE, default master) from source
 upstream-test:
-	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.6 | BRANCH=<PR branch> [BASE=master]] [FULL=1]" >&2; exit 2; }
+	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.5] [FULL=1 | STACK=1 | BRANCH=<stack branch> [BASE=master]]" >&2; exit 2; }
 	$(PYTHON) upstream/upstream_test.py --upstream "$(UPSTREAM)" \
-	  $(if $(BRANCH),--branch "$(BRANCH)" $(if $(BASE),--base "$(BASE)"),--ref "$(REF)") $(if $(FULL),--full) $(UPSTREAM_TEST_ARGS)
+	  $(if $(BRANCH),--branch "$(BRANCH)" $(if $(BASE),--base "$(BASE)"),--ref "$(REF)") $(if $(FULL),--full) \
+	  $(if $(STACK),--stack) $(UPSTREAM_TEST_ARGS)
 
 ## tree / export: the patched upstream tree as a git history in .tree/, and back into patches/ and src/
 tree:

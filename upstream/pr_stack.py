@@ -400,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             for pr in sorted(read_stack(args.stack), key=lambda pr: pr.name):
                 sizes = check_pr(pr)
-                print(f"{pr.name}: {pr.branch}, merge order {pr.merge_order}, src {sizes['src']}, tests {sizes['tests']},"
-                      f" docs {sizes['docs']}")
+                print(f"{pr.name}: {pr.branch}, merge order {pr.merge_order}, src {sizes['src']},"
+                      f" tests {sizes['tests']}, docs {sizes['docs']}")
             return 0
         manifest = pr_stack(args.upstream.expanduser().resolve(), args.stack, args.base, args.out, args.force)
     except StackError as err:

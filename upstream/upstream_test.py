@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""Run upstream Lightning's own tests for the areas the fork touches, against the fork and against stock 2.6.6.
+"""Run upstream Lightning's own tests against the fork: upstream's suites (stock vs fork), and each stack PR's tests.
 
-    python3 upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.6]     (make upstream-test ...)
-    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --branch lightning-fork/amp.1 [--base master]
+    python3 upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.5] [--full]  (make upstream-test ...)
+    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --stack [--ref 2.6.5] (make upstream-test STACK=1)
+    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --branch amp/<slug> [--base master]
 
-The first form (stock vs fork, steps 1-4 below) tests the fork as it installs. The second (base vs branch) tests the
-pull-request branch that ``make pr`` built in the clone against the upstream commit it starts from: one venv
-(``source``: torch, requirements-test.txt and requirements-source.txt, no lightning installed), and each run puts its
-own tree's ``src/`` on ``PYTHONPATH`` with that tree's ``tests/``: ``base`` is the merge base of ``--branch`` and
-``--base`` (master), ``branch`` the branch (test patches and our own test files included, as committed there). The
-test files the branch adds under ``tests/`` are ours: they run on the branch and are reported apart; the files it
-modifies are the test patches' (listed apart, as below). ``--full`` runs the whole CPU suites (``tests_pytorch``,
-``tests_fabric``) instead of the touched areas, in both modes.
+**Stock vs fork** (the first form, steps 1-4 below) tests the fork as it installs: every upstream test the fork fails
+that passes on stock must be in a file that a test patch (``upstream/test-patches/``) changes on purpose; the report
+lists every failure on the fork as owned (by which test patch) or not. **Stack** (``--stack``) runs each stack PR's
+tests against the installed fork: the test hunks of ``upstream/stack/*/changes.patch``, in merge order, are merged into
+the fork's test tree (upstream's tests at ``--ref`` with the test patches), each file 3-way against master's version of
+it (from the clone; conflicting regions take the PR's side), and the tests each PR adds or changes run in the fork's
+venv: what upstream would get must pass here too. **Base vs branch** (``--branch``) runs a stack branch that
+``make pr-stack`` built in the clone (``amp/<slug>`` alone, or ``amp/stack-in-order``) from source against its merge
+base with ``--base`` (master): one venv (``source``: torch, requirements-test.txt and requirements-source.txt, no
+lightning installed), and each run puts its own tree's ``src/`` on ``PYTHONPATH`` with that tree's ``tests/``; the test
+files the branch adds or changes are its own, reported apart. ``--full`` runs the whole CPU suites (``tests_pytorch``,
+``tests_fabric``) instead of the touched areas.
 
 1. Two virtual environments (default ``upstream/.venvs/``, ignored by git), both with ``torch==2.13.0`` (CPU)
    and the test requirements of ``upstream/requirements-test.txt``: ``stock`` with ``lightning==2.6.6`` from
@@ -28,10 +33,9 @@ modifies are the test patches' (listed apart, as below). ``--full`` runs the who
 4. Per-test outcomes are compared. The report (stdout and ``<workdir>/report.md``, ``summary.json``) gives the counts
    and every test that passes on stock and fails on the fork. Tests a test patch changes are listed apart.
 
-Exit status: 0 when no test passes on stock (base) and fails on the fork (branch), 1 when some do (or one of our own
-tests fails on the branch), 2 when it could not run.
-Standard library only; needs network access to the package index for the first venv setup (CI cannot reach
-upstream's repository, so this is a maintainer's command, not part of .ci/run).
+Exit status: 0 when no test passes on stock (base) and fails on the fork (branch) and every stack PR's test passes on
+the fork, 1 when some do not, 2 when it could not run. Standard library only; needs network access to the package index
+for the first venv setup (CI cannot reach upstream's repository, so this is a maintainer's command, not in .ci/run).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -199,15 +204,26 @@ def export_tests(checkout: Path, ref: str, target: Path, paths: tuple[str, ...] 
     return commit
 
 
-def apply_test_patches(tree: Path) -> dict[str, list[str]]:
-    """Apply upstream/test-patches/ to a test tree; returns patch name -> files it changes."""
+def apply_test_patches(tree: Path, owned: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Apply upstream/test-patches/ to a test tree; returns patch name -> files it changes. ``owned`` (if given) gets
+    the pytest node id of each test function or class a patch changes -> the patch's name."""
     applied = {}
     for patch in read_series(TEST_PATCHES):
         done = git(tree, "apply", "--index", str(patch.path), check=False)
         if done.returncode != 0:
             raise Failure(f"test patch {patch.name} does not apply to upstream's tests:\n{done.stderr.strip()}")
         applied[patch.name] = patch.targets()
+        if owned is not None:
+            for item in test_files_of(patch.path):
+                source = (tree / item.path).read_text(encoding="utf-8")
+                for name in changed_tests(source, item.added):
+                    owned[f"{item.path[len('tests/') :]}::{name}"] = patch.name
     return applied
+
+
+def owner(test_id: str, owned: dict[str, str]) -> str:
+    """The test patch that changes this test (``""`` if none does)."""
+    return next((name for node, name in owned.items() if _is_node(test_id, node)), "")
 
 
 def select_tests(tests_dir: Path, extra: list[str]) -> list[str]:
@@ -258,7 +274,8 @@ def run_pytest(job: Run, files: list[str], workers: int, timeout: int, extra_arg
     job.lightning = job.probe()
     log(f"{job.name}: lightning {job.lightning['lightning']} ({job.lightning['file']}), torch {job.lightning['torch']}")
     cmd = [str(job.python), "-m", "pytest", *files, "-p", "no:cacheprovider", "-p", "no:randomly",
-           "--color=no", "-q", "-rN", f"--timeout={timeout}", f"--junitxml={job.junit}", "-o", "junit_family=xunit1",
+           "--color=no", "-q", "-rN", *([f"--timeout={timeout}"] if timeout > 0 else []), f"--junitxml={job.junit}",
+           "-o", "junit_family=xunit1",
            "-o", "console_output_style=classic"]
     if workers > 1:
         cmd += ["-n", str(workers)]
@@ -363,15 +380,22 @@ def in_modules(test_id: str, modules: set[str]) -> bool:
     return any(module == m or module.startswith(m + ".") for m in modules)
 
 
-def compare(before: dict[str, str], after: dict[str, str], patched: set[str]) -> dict:
-    """Per-test outcomes of the reference run (stock, base) against the changed one (fork, branch)."""
+def compare(before: dict[str, str], after: dict[str, str], patched: set[str],
+            owned: dict[str, str] | None = None) -> dict:
+    """Per-test outcomes of the reference run (stock, base) against the changed one (fork, branch). With ``owned``
+    (test -> test patch), a test that passes before and fails after is the test patch's only if the patch changes that
+    test; otherwise, if the patch changes its file."""
+
+    def is_owned(test_id: str) -> bool:
+        return bool(owner(test_id, owned)) if owned is not None else in_modules(test_id, patched)
+
     regressions, patched_regressions, changed, fixed, missing, both = [], [], [], [], [], []
     for test_id, old in sorted(before.items()):
         new = after.get(test_id)
         if new is None:
             (changed if in_modules(test_id, patched) else missing).append(test_id)
         elif old == "passed" and new in FAILED:
-            (patched_regressions if in_modules(test_id, patched) else regressions).append(test_id)
+            (patched_regressions if is_owned(test_id) else regressions).append(test_id)
         elif old in FAILED and new == "passed":
             fixed.append(test_id)
         elif old in FAILED and new in FAILED:
@@ -445,7 +469,8 @@ def write_report(workdir: Path, mode: Mode, runs: list[Run], result: dict, appli
     sections = (
         ("regressions", f"Pass on {mode.before}, fail on the {mode.after}"),
         ("regressions_in_test_patched_files",
-         f"Pass on {mode.before}, fail on the {mode.after}, in files a test patch changes (check the patch)"),
+         f"Pass on {mode.before}, fail on the {mode.after}, tests a test patch changes (check the patch)"),
+        ("failures_on_fork", f"Every test the {mode.after} fails, owned or not"),
         ("new_failing", f"Test ids only on the {mode.after}'s run that fail (added by a test patch)"),
         ("fixed_on_fork", f"Fail on {mode.before}, pass on the {mode.after}"),
         ("failing_on_both", f"Fail on both (not evidence against the {mode.after})"),
@@ -548,8 +573,9 @@ def stock_vs_fork(args, checkout: Path, workdir: Path) -> int:
     for name, tree in trees.items():
         commit = export_tests(checkout, args.ref, tree)
     applied = {}
+    owned: dict[str, str] = {}
     if "fork" in trees and not args.no_test_patches:
-        applied = apply_test_patches(trees["fork"])
+        applied = apply_test_patches(trees["fork"], owned)
     files = selection(trees.get("stock", next(iter(trees.values()))) / "tests", args, workdir)
     runs = [Run(name, pythons[name], trees[name], workdir / f"{name}.xml") for name in which]
     run_all(runs, {job.name: files for job in runs}, {job.name: f"{commit} {REQUIREMENTS.read_text()}" for job in runs},
@@ -562,8 +588,14 @@ def stock_vs_fork(args, checkout: Path, workdir: Path) -> int:
     mode = Mode("stock", "fork", "Upstream tests: stock lightning 2.6.6 vs the fork",
                 [f"Upstream tests at `{args.ref}` ({commit[:10]}), {len(runs[0].outcomes)} test ids collected on stock"
                  f" ({'the full CPU suites' if args.full else 'the touched areas'})."])
-    result = compare(runs[0].outcomes, runs[1].outcomes, patched_modules(applied))
-    extra = {"mode": "stock-vs-fork", "ref": args.ref, "commit": commit, "full": args.full}
+    result = compare(runs[0].outcomes, runs[1].outcomes, patched_modules(applied), owned)
+    # every test the fork fails: owned by a test patch (it changes that test on purpose), failing on stock too, or not
+    result["failures_on_fork"] = [
+        f"{t}: " + (f"owned by {owner(t, owned)}" if owner(t, owned) else
+                    "fails on stock too" if runs[0].outcomes.get(t) in FAILED else "NOT OWNED by any test patch")
+        for t, o in sorted(runs[1].outcomes.items()) if o in FAILED]
+    extra = {"mode": "stock-vs-fork", "ref": args.ref, "commit": commit, "full": args.full,
+             "owned_tests": owned}
     print(write_report(workdir, mode, runs, result, applied, extra))
     return 1 if failed_overall(result, extra) else 0
 
@@ -582,14 +614,14 @@ def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
     """``--branch`` against its merge base with ``--base``; without ``--branch`` (``--only base``), ``--base`` alone."""
     tip = resolve(checkout, args.base, "--base, the upstream branch the pull request goes to (master)")
     if args.branch:
-        branch = resolve(checkout, args.branch, "--branch, the pull-request branch that `make pr` built in that clone")
+        branch = resolve(checkout, args.branch, "--branch, a stack branch that `make pr-stack` built in that clone")
         base = git(checkout, "merge-base", tip, branch).stdout.strip()
     else:
         branch = base = tip
     notes = []
     if base != tip:
         notes.append(f"{args.branch} starts from {base[:10]}, not from {args.base}'s tip {tip[:10]}: the base run tests"
-                     " that merge base (rebase the branch with `make pr` to test the tip)")
+                     " that merge base (build the stack again with `make pr-stack` to test the tip)")
         log(f"note: {notes[-1]}")
     which = [args.only] if args.only else ["base", "branch"]
     python = ensure_venv(args.venvs.resolve() / "source", ["-r", str(SOURCE_REQUIREMENTS)],
@@ -599,27 +631,16 @@ def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
     for name, tree in trees.items():
         export_tests(checkout, commits[name], tree, SOURCE_PATHS)
 
-    # what the branch changes under tests/: files it adds are ours (unless a test patch adds them), files it modifies
-    # are the test patches'; both are checked against this checkout's upstream/test-patches/series
+    # what the branch adds or changes under tests/ is the PR's own tests: run on the branch, reported apart
     added, modified = branch_changes(checkout, base, branch)
-    applied = {patch.name: patch.targets() for patch in read_series(TEST_PATCHES)}
-    targets = {name for files in applied.values() for name in files}
-    own_files = sorted(name for name in added if name not in targets)
-    patched_files = sorted(set(modified) | (set(added) & targets))
-    stray = sorted(set(modified) - targets)
-    if stray:
-        notes.append(f"the branch modifies upstream test files that no test patch of this checkout names: {stray}"
-                     " (an older series? the run counts them as test-patched)")
-    lacking = sorted(targets - set(modified) - set(added))
-    if lacking and args.branch:
-        notes.append(f"files the test patches of this checkout change that the branch leaves as they are: {lacking}"
-                     " (the branch was built from another series; run `make pr` again)")
+    own_files = sorted(added + modified)
+    applied: dict[str, list[str]] = {}
     for note in notes[1 if base != tip else 0 :]:
         log(f"note: {note}")
     own = dotted_modules(own_files)
 
     files = selection(trees.get("base", next(iter(trees.values()))) / "tests", args, workdir)
-    own_tests = [name[len("tests/") :] for name in own_files
+    own_tests = [name[len("tests/") :] for name in added
                  if Path(name).name.startswith("test_") and name.endswith(".py")
                  and name.split("/")[1:2] and name.split("/")[1] in SUITES]
     per_run = {"base": files, "branch": files if args.full else sorted(set(files) | set(own_tests))}
@@ -639,7 +660,7 @@ def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
         return 0
     base_run, branch_run = runs
     upstream_after = {t: o for t, o in branch_run.outcomes.items() if not in_modules(t, own)}
-    result = compare(base_run.outcomes, upstream_after, dotted_modules(patched_files))
+    result = compare(base_run.outcomes, upstream_after, set())
     ours = {t: o for t, o in branch_run.outcomes.items() if in_modules(t, own)}
     what = "the full CPU suites" if args.full else "the touched areas"
     mode = Mode("base", "branch", f"Upstream tests: {args.base} vs the pull-request branch {args.branch}",
@@ -647,23 +668,188 @@ def base_vs_branch(args, checkout: Path, workdir: Path) -> int:
                  f" {what}; each run imports lightning from its own tree's `src/` (PYTHONPATH), torch"
                  f" {base_run.lightning.get('torch', '?')}.",
                  "",
-                 f"{len(base_run.outcomes)} test ids collected on base. The branch's own test files (added under"
-                 f" tests/, {len(own_files)} files) are counted apart and left out of the comparison; the files it"
-                 f" modifies ({len(patched_files)}) are the test patches'."])
+                 f"{len(base_run.outcomes)} test ids collected on base. The branch's own test files (added or changed"
+                 f" under tests/, {len(own_files)} files) are counted apart and left out of the comparison."])
     extra = {"mode": "base-vs-branch", "ref": args.base, "commit": base, "base": args.base, "base_commit": base, "base_tip": tip, "branch": args.branch,
-             "branch_commit": branch, "full": args.full, "notes": notes, "test_patched_files": patched_files,
+             "branch_commit": branch, "full": args.full, "notes": notes,
              "own_tests": {"files": own_files, "counts": counts(ours), "suites": by_suite(ours),
                            "failing": sorted(t for t, o in ours.items() if o in FAILED)}}
     print(write_report(workdir, mode, runs, result, applied, extra, own, "full" if args.full else "touched"))
     return 1 if failed_overall(result, extra) else 0
 
 
+# --- each stack PR's tests on the fork --------------------------------------------------------------------------------
+
+STACK = HERE / "stack"
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+
+
+@dataclass
+class StackTestFile:
+    path: str  # tests/...py
+    base_blob: str  # master's blob id ("" for a new file)
+    added: list[int]  # line numbers (in the PR's version) of the lines the PR adds
+
+
+def stack_prs(stack: Path = STACK) -> list[tuple[str, Path]]:
+    """(folder name, changes.patch) of each stack PR, in merge order (``merge_order`` of its pr.toml)."""
+    import tomllib
+
+    prs = []
+    for folder in sorted(p for p in stack.iterdir() if (p / "pr.toml").is_file()):
+        order = tomllib.loads((folder / "pr.toml").read_text(encoding="utf-8")).get("merge_order", 0)
+        prs.append((order, folder.name, folder / "changes.patch"))
+    return [(name, patch) for _, name, patch in sorted(prs)]
+
+
+def test_files_of(patch: Path) -> list[StackTestFile]:
+    """The ``tests/**/test_*.py`` files a PR's patch adds or changes, with the lines it adds."""
+    files: list[StackTestFile] = []
+    current = None
+    line = 0
+    for text in patch.read_text(encoding="utf-8").splitlines():
+        if text.startswith("diff --git "):
+            path = text.split(" b/", 1)[-1]
+            current = None
+            if path.startswith("tests/") and Path(path).name.startswith("test_") and path.endswith(".py"):
+                current = StackTestFile(path, "", [])
+                files.append(current)
+        elif current is None:
+            continue
+        elif text.startswith("index "):
+            blob = text.split()[1].split("..")[0]
+            current.base_blob = "" if set(blob) == {"0"} else blob
+        elif match := _HUNK.match(text):
+            line = int(match.group(1))
+        elif text.startswith("+") and not text.startswith("+++"):
+            current.added.append(line)
+            line += 1
+        elif text.startswith(" "):
+            line += 1
+    return files
+
+
+def changed_tests(source: str, added: list[int]) -> list[str]:
+    """The test functions and classes (top level) that hold an added line: pytest node names."""
+    import ast
+
+    names = []
+    for node in ast.parse(source).body:
+        is_test = (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")) or (
+            isinstance(node, ast.ClassDef) and node.name.startswith("Test"))
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        if is_test and any(first <= n <= (node.end_lineno or node.lineno) for n in added):
+            names.append(node.name)
+    return names
+
+
+def merge_pr_tests(checkout: Path, tree: Path, patch: Path) -> tuple[list[str], list[str]]:
+    """Merge the PR's test files into ``tree`` (3-way against master's version); returns its pytest node ids (relative
+    to ``tests/``) and the files whose merge conflicted (both sides kept there, the PR's last: its definitions win)."""
+    nodes, conflicted = [], []
+    for item in test_files_of(patch):
+        with tempfile.TemporaryDirectory(prefix="stack-test-") as tmp:
+            scratch = Path(tmp)
+            base = b""
+            if item.base_blob:
+                got = subprocess.run(["git", "-C", str(checkout), "cat-file", "blob", item.base_blob],
+                                     capture_output=True)
+                if got.returncode != 0:
+                    raise Failure(f"{patch.parent.name}: {checkout} lacks master's {item.path} ({item.base_blob});"
+                                  " fetch upstream master into the clone")
+                base = got.stdout
+            (scratch / item.path).parent.mkdir(parents=True, exist_ok=True)
+            if item.base_blob:
+                (scratch / item.path).write_bytes(base)
+            done = subprocess.run(["git", "apply", f"--include={item.path}", str(patch)], cwd=scratch,
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise Failure(f"{patch.parent.name}: its patch does not apply to master's {item.path}:\n{done.stderr}")
+            theirs = (scratch / item.path).read_bytes()
+            target = tree / item.path
+            ours = target.read_bytes() if target.is_file() else None
+            if ours is None or ours == base:
+                merged = theirs
+            else:
+                for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
+                    (scratch / name).write_bytes(data)
+                merge = subprocess.run(["git", "merge-file", "-p", "ours", "base", "theirs"], cwd=scratch,
+                                       capture_output=True)
+                if merge.returncode != 0:
+                    conflicted.append(item.path)
+                    merge = subprocess.run(["git", "merge-file", "-p", "--union", "ours", "base", "theirs"],
+                                           cwd=scratch, capture_output=True)
+                merged = merge.stdout
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(merged)
+            relative = item.path[len("tests/") :]
+            if item.base_blob:
+                nodes += [f"{relative}::{name}" for name in changed_tests(theirs.decode(), item.added)]
+            else:
+                nodes.append(relative)
+    return nodes, conflicted
+
+
+def stack_on_fork(args, checkout: Path, workdir: Path) -> int:
+    """Each stack PR's tests, merged in merge order into the fork's test tree, run against the installed fork."""
+    python = args.fork_python.absolute() if args.fork_python else \
+        setup_venvs(args.venvs.resolve(), REPO, ["fork"])["fork"]
+    tree = workdir / "fork-tree"
+    commit = export_tests(checkout, args.ref, tree)
+    applied = apply_test_patches(tree)
+    per_pr = {}
+    for name, patch in stack_prs():
+        nodes, conflicted = merge_pr_tests(checkout, tree, patch)
+        per_pr[name] = {"nodes": nodes, "conflicted": conflicted}
+        log(f"{name}: {len(nodes)} test nodes" + (f"; both sides kept in {conflicted}" if conflicted else ""))
+    files = sorted({node for pr in per_pr.values() for node in pr["nodes"]})
+    job = Run("fork", python, tree, workdir / "stack.xml")
+    run_pytest(job, files, args.workers, args.timeout, args.pytest_args.split())
+    lines = [f"# Each stack PR's tests on the fork (upstream's tests at `{args.ref}`, {commit[:10]}, with the test"
+             " patches)", "", f"lightning {job.lightning.get('lightning')} ({job.lightning.get('file')}), torch"
+             f" {job.lightning.get('torch')}; {len(applied)} test patches applied.", "",
+             "| PR (merge order) | test nodes | passed | failed | skipped | merged with conflicts (both sides kept) |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    failing = []
+    for name, pr in per_pr.items():
+        mine = {t: o for t, o in job.outcomes.items() if any(_is_node(t, node) for node in pr["nodes"])}
+        c = counts(mine)
+        lines.append(f"| {name} | {len(pr['nodes'])} | {c['passed']} | {c['failed'] + c['error']} | {c['skipped']} |"
+                     f" {', '.join(pr['conflicted']) or '-'} |")
+        failing += [f"{name}: {t}  `{first_line(job.messages.get(t, ''))}`" for t, o in mine.items() if o in FAILED]
+    lines += ["", f"## Failing on the fork: {len(failing)}", "", *[f"- {item}" for item in failing], ""]
+    text = "\n".join(lines)
+    (workdir / "report.md").write_text(text, encoding="utf-8")
+    (workdir / "summary.json").write_text(json.dumps({"ref": args.ref, "commit": commit, "prs": per_pr,
+                                                      "counts": counts(job.outcomes), "failing": failing},
+                                                     indent=2) + "\n", encoding="utf-8")
+    print(text)
+    return 1 if failing or not job.outcomes else 0
+
+
+def _is_node(test_id: str, node: str) -> bool:
+    """Whether a junit test id (``tests_pytorch.x.test_y::test_z[param]``) belongs to a pytest node id."""
+    path, _, name = node.partition("::")
+    module = path[: -len(".py")].replace("/", ".")
+    test_module, _, test_name = test_id.partition("::")
+    if name and (test_module == f"{module}.{name}" or test_module.endswith(f".{module}.{name}")):
+        return True  # a method of a test class: junit's classname ends with the class
+    if not (test_module == module or test_module.endswith("." + module)):
+        return False
+    return not name or test_name.split("[")[0] == name or test_name == "(collection)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", required=True, type=Path, help="an upstream Lightning git checkout")
-    parser.add_argument("--ref", default="2.6.6", help="the upstream revision whose tests run (default: 2.6.6)")
-    parser.add_argument("--branch", help="base vs branch: the pull-request branch in --upstream (from `make pr`),"
+    parser.add_argument("--ref", default="2.6.5", help="the upstream revision whose tests run (default: 2.6.5, the last"
+                                                       " release tag in upstream's repository; 2.6.6 has none)")
+    parser.add_argument("--branch", help="base vs branch: a stack branch in --upstream (from `make pr-stack`),"
                                          " tested from source against its merge base with --base")
+    parser.add_argument("--fork-python", type=Path,
+                        help="with --stack: a Python whose installed lightning is the fork (no venv is built)")
+    parser.add_argument("--stack", action="store_true",
+                        help="each stack PR's tests (upstream/stack/*/changes.patch) against the installed fork")
     parser.add_argument("--base", default="master", help="with --branch: the branch the PR goes to (default master)")
     parser.add_argument("--full", action="store_true",
                         help="run the whole CPU suites tests_pytorch and tests_fabric, not the touched areas")
@@ -671,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="test trees, junit XML, report (default: upstream/results/,"
                                                      " results/branch/ with --branch; -full with --full)")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (1: no xdist)")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per test (0: no limit, no pytest-timeout)")
     parser.add_argument("--only", choices=["stock", "fork", "base", "branch"], help="run one side only (no comparison)")
     parser.add_argument("--no-test-patches", action="store_true", help="run the fork on upstream's tests as they are")
     parser.add_argument("--reuse-stock", "--reuse-base", action="store_true", dest="reuse_stock",
@@ -687,20 +873,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--only branch needs --branch")
     if args.branch and args.only in ("stock", "fork"):
         parser.error(f"--only {args.only} is for stock vs fork (no --branch): choose base or branch")
-    if args.branch and args.no_test_patches:
-        parser.error("--no-test-patches: the branch holds its test patches as commits (build it without them:"
-                     " make_pr.py --no-test-patches)")
+    if args.stack and (args.branch or args.only or args.full):
+        parser.error("--stack runs the stack PRs' tests on the fork: no --branch, --only or --full")
     if args.workdir is None:
         source = args.branch or args.only == "base"
-        args.workdir = HERE / "results" / ("branch" if source else "")
+        args.workdir = HERE / "results" / ("branch" if source else "stack" if args.stack else "")
         if args.full:
             args.workdir = args.workdir.with_name(args.workdir.name + "-full") if source else args.workdir / "full"
     workdir = args.workdir.resolve()
     try:
-        if not (checkout / ".git").exists():
-            raise Failure(f"{checkout} is not a git checkout of upstream Lightning")
+        if git(checkout, "rev-parse", "--git-dir", check=False).returncode != 0:
+            raise Failure(f"{checkout} is not a git repository of upstream Lightning (a clone, or a bare mirror)")
         workdir.mkdir(parents=True, exist_ok=True)
         source = args.branch or args.only == "base"
+        if args.stack:
+            return stack_on_fork(args, checkout, workdir)
         return base_vs_branch(args, checkout, workdir) if source else stock_vs_fork(args, checkout, workdir)
     except Failure as err:
         print(f"upstream_test: {err}", file=sys.stderr)

@@ -304,13 +304,16 @@ def test_a_replaced_branch_is_restored_on_failure(upstream, tmp_path):
     assert git(upstream, "branch", "--list", "amp/widget-docs") == ""
 
 
+TOML = 'branch = "amp/{}"\ntitle = "{}"\ncloses = [{}]\nmerge_order = 1\ntouches_tests = [{}]\n'
+
+
 @pytest.mark.parametrize(("toml", "message"), [
-    ('branch = "amp/other"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = []\n', "expected 'amp/widget'"),
+    (TOML.format("other", "T", '"#1"', ""), "expected 'amp/widget'"),
     ('branch = "amp/widget"\ntitle = "T"\ncloses = ["1"]\nmerge_order = 1\ntouches_tests = []\n', "closes = ['1']"),
     ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\n', "key 'touches_tests' missing"),
     ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\ntouches_tests = []\n', "key 'merge_order' missing"),
-    (f'branch = "amp/widget"\ntitle = "{"x" * 72}"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = []\n', "under 72 characters"),
-    ('branch = "amp/widget"\ntitle = "T"\ncloses = ["#1"]\nmerge_order = 1\ntouches_tests = ["src/x.py"]\n', "not an upstream test"),
+    (TOML.format("widget", "x" * 72, '"#1"', ""), "under 72 characters"),
+    (TOML.format("widget", "T", '"#1"', '"src/x.py"'), "not an upstream test"),
 ])
 def test_pr_toml_is_checked(upstream, tmp_path, toml, message):
     pr = add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 2\n"}))
