@@ -567,7 +567,9 @@ def selection(tests_dir: Path, args, workdir: Path, name: str = "selected") -> l
 
 def stock_vs_fork(args, checkout: Path, workdir: Path) -> int:
     which = [args.only] if args.only else ["stock", "fork"]
-    pythons = setup_venvs(args.venvs.resolve(), REPO, which)
+    given = {"stock": args.stock_python, "fork": args.fork_python}
+    pythons = setup_venvs(args.venvs.resolve(), REPO, [name for name in which if given[name] is None])
+    pythons.update({name: given[name].absolute() for name in which if given[name] is not None})
     trees = {name: workdir / f"{name}-tree" for name in which}
     commit = ""
     for name, tree in trees.items():
@@ -847,7 +849,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--branch", help="base vs branch: a stack branch in --upstream (from `make pr-stack`),"
                                          " tested from source against its merge base with --base")
     parser.add_argument("--fork-python", type=Path,
-                        help="with --stack: a Python whose installed lightning is the fork (no venv is built)")
+                        help="a Python whose installed lightning is the fork (no fork venv is built)")
+    parser.add_argument("--stock-python", type=Path,
+                        help="a Python whose installed lightning is stock 2.6.6 (no stock venv is built)")
     parser.add_argument("--stack", action="store_true",
                         help="each stack PR's tests (upstream/stack/*/changes.patch) against the installed fork")
     parser.add_argument("--base", default="master", help="with --branch: the branch the PR goes to (default master)")
