@@ -23,7 +23,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = REPO / "docs" / "source-pytorch"  # the pages, in upstream's layout
@@ -87,12 +87,21 @@ def examples(text: str) -> list[Example]:
     return found
 
 
-def _quiet() -> None:
-    """Keep the output readable: no Trainer banners, no hints about this toy setup."""
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep the output readable: no Trainer banners, no hints about this toy setup; the logger's level and the
+    warning filters are restored afterwards (the tests that follow in the same process expect Lightning's info lines)."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    with warnings.catch_warnings():
+        logger.setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
 
 
 def require_the_fork() -> None:
@@ -117,8 +126,7 @@ def run_page(path: Path) -> list[Result]:
     require_the_fork()
     namespace: dict = {"__name__": f"doc_example_{path.stem}"}
     results = []
-    with warnings.catch_warnings():
-        _quiet()
+    with _quiet():
         for example in examples(path.read_text(encoding="utf-8")):
             printed = io.StringIO()
             error = None

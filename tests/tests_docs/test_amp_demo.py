@@ -6,7 +6,9 @@ recipe. A short run of the demo's own functions (40 steps, a few seconds), so th
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ pytestmark = requires_cpu_grad_scaler
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "amp_demo.py"
 STEPS = 40
+QUIETED = ("lightning.pytorch", "lightning.fabric", "stock_pytorch_lightning", "stock_lightning_fabric")
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +30,18 @@ def demo():
     sys.modules["amp_demo"] = module  # dataclasses look their module up by name
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the demo does: matrices this small run fastest on one thread
+    # the demo quiets Lightning's loggers and warnings for its own process: restore both for the tests that follow
+    levels = {name: logging.getLogger(name).level for name in QUIETED}
     try:
-        spec.loader.exec_module(module)
-        module.quiet_lightning()
-        yield module
+        with warnings.catch_warnings():
+            spec.loader.exec_module(module)
+            module.quiet_lightning()
+            yield module
     finally:
         sys.modules.pop("amp_demo", None)
         torch.set_num_threads(threads)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def _run(demo, package: str, optimizer: str, precision: str):
