@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYTORCH_RECIPE = "pytorch/plugins/precision/amp_recipe.py"
 FABRIC_RECIPE = "fabric/plugins/precision/amp_recipe.py"
 FABRIC_PLUGIN = "fabric/plugins/precision/amp_recipe_precision.py"
+FABRIC_WATCH = "fabric/plugins/precision/amp_misuse_watch.py"
 PRECISION_TESTS = "tests/tests_pytorch/plugins/precision"
 FABRIC_TESTS = "tests/tests_fabric/plugins/precision"
 
@@ -89,7 +90,7 @@ MUTATIONS = (
         "unscale-once",
         "unscaling is idempotent: a second unscale in a step cycle does nothing (promise 4)",
         FABRIC_RECIPE,
-        "        if self.stage(optimizer) is OptState.READY:\n            self._torch.unscale_(optimizer)\n",
+        "        if stage is OptState.READY:\n            self._torch.unscale_(optimizer)\n",
         "        if True:\n            self._torch.unscale_(optimizer)\n",
         (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", f"{FABRIC_TESTS}/test_amp_fabric_recipe.py"),
     ),
@@ -131,8 +132,8 @@ MUTATIONS = (
         "a scaled backward that reaches an optimizer's unscaled, not yet stepped gradients flags them; one that does"
         " not reach them leaves them to step (issue 21.6)",
         FABRIC_RECIPE,
-        "            self._watch_unscaled(optimizer, cleared=not _holds_live_gradients(optimizer))\n",
-        "            self._watch_unscaled(optimizer, cleared=True)\n",
+        "    cleared = not _holds_live_gradients(optimizer)\n",
+        "    cleared = True\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_the_step"),
     ),
     Mutation(
@@ -154,9 +155,9 @@ MUTATIONS = (
     Mutation(
         "fabric-teardown-unwatches",
         "Fabric's teardown takes the watch's hooks off the parameters",
-        FABRIC_PLUGIN,
-        "            self._scaler_recipe.finish()\n            self._scaler_recipe.unwatch()\n        super().teardown()\n",
-        "            self._scaler_recipe.finish()\n        super().teardown()\n",
+        FABRIC_RECIPE,
+        "            self._scaler_recipe.finish()\n            self._scaler_recipe.unwatch()\n",
+        "            self._scaler_recipe.finish()\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
     ),
     Mutation(
@@ -224,8 +225,9 @@ MUTATIONS = (
         "fabric-update-before-the-next-backward",
         "outside a marked iteration (Fabric's loop), the owed update is applied before the next loss is scaled",
         FABRIC_RECIPE,
-        "        if self.phase is IterationPhase.OUTSIDE:\n            self._settle()\n        self._stop_watching",
-        "        self._stop_watching",
+        "        if self.phase is IterationPhase.OUTSIDE and not self._gradients_wait_for_a_step():\n"
+        "            self._settle()\n",
+        "",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py",),
     ),
     Mutation(
@@ -262,9 +264,9 @@ MUTATIONS = (
     ),
     Mutation(
         "schedulers-hold-on-skipped-steps",
-        "a step-interval LR scheduler does not advance on a skipped step (patch 0013)",
+        "a step-interval LR scheduler does not advance on a skipped step (patch 0009)",
         "pytorch/loops/training_epoch_loop.py",
-        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer)\n",
+        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer, sync=False)\n",
         "                    and False\n",
         (f"{PRECISION_TESTS}/test_amp_skipped_steps.py",),
     ),
@@ -314,8 +316,8 @@ MUTATIONS = (
         "the watch for backwards without the scale switches itself off after its first updates: no cost per step"
         " afterwards (issue 21, design)",
         FABRIC_RECIPE,
-        "            if self._updates >= self._watch.ends_at_update and not self._watch.accumulations:\n"
-        "                self._watch.unwatch()\n",
+        "            if watch is not None and self._updates >= watch.ends_at_update and not watch.accumulations:\n"
+        "                self.unwatch()\n",
         "",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "watch_ends"),
     ),
@@ -332,8 +334,8 @@ MUTATIONS = (
         "cleared-unscaled-keeps-its-inf-check",
         "an optimizer unscaled and cleared stays unscaled, with its inf check, until a backward reaches it (issue 21.15)",
         FABRIC_RECIPE,
-        "            self._watch_unscaled(optimizer, cleared=not _holds_live_gradients(optimizer))\n",
-        "            if _holds_live_gradients(optimizer):\n                self._watch_unscaled(optimizer, cleared=False)\n"
+        "            self._watch_unscaled(optimizer)\n",
+        "            if _holds_live_gradients(optimizer):\n                self._watch_unscaled(optimizer)\n"
         "            else:\n                self._restart_step_cycle(optimizer)\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "keep_their_inf_check"),
     ),
@@ -342,8 +344,8 @@ MUTATIONS = (
         "a scaled backward refused for gradients without the scale is refused before any optimizer changes stage"
         " (issue 21.16)",
         FABRIC_RECIPE,
-        '        self._watch.refuse("a scaled backward")  # before any transition: a refused backward changes nothing\n',
-        "",
+        '            self._watch.refuse("the next scaled backward")\n',
+        "            pass\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_backward"),
     ),
     Mutation(
@@ -393,7 +395,7 @@ MUTATIONS = (
     Mutation(
         "trainer-teardown-applies-the-owed-update",
         "an update owed by a step in `on_train_epoch_end` is applied when training ends (issue 21.10)",
-        PYTORCH_RECIPE,
+        FABRIC_RECIPE,
         "            self._scaler_recipe.finish()\n",
         "",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
@@ -441,7 +443,7 @@ MUTATIONS = (
         "watch-goes-with-its-parameters",
         "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along"
         " (issue 21.12)",
-        FABRIC_RECIPE,
+        FABRIC_WATCH,
         "            if optimizer not in self._watched:\n",
         "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "collected_model"),
@@ -500,7 +502,7 @@ MUTATIONS = (
         "an optimizer unscaled and not yet stepped may wait while a backward that does not reach it runs (a GAN that"
         " clips each network after its own backward, issue 21.6)",
         FABRIC_RECIPE,
-        "            self._watch_unscaled(optimizer, cleared=not _holds_live_gradients(optimizer))\n",
+        "            self._watch_unscaled(optimizer)\n",
         '            raise RuntimeError("unscaled but did not step")\n',
         ("tests/tests_pytorch/plugins/precision/test_amp_iteration.py", "-k", "gan"),
     ),
@@ -508,24 +510,15 @@ MUTATIONS = (
         "skip-signal-hooks-released",
         "the step hooks of the skip signal go when training ends: a raw optimizer kept after the fit pays nothing",
         FABRIC_RECIPE,
-        "        self._watch.end_unfinished()\n        self._skips.release()\n",
-        "        self._watch.end_unfinished()\n",
+        "        self._skips.release()\n        self._records.clear()",
+        "        self._records.clear()",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "goes_when_training_ends"),
-    ),
-    Mutation(
-        "lightning-scaler-tells-the-plugin",
-        "the scaler Lightning creates marks the backward of what it scales: the recipe written by hand with it is not"
-        " taken for `loss.backward()` (issue 21.7, patch 0024)",
-        "fabric/plugins/precision/lightning_scaler.py",
-        "                    tensor.grad_fn.register_prehook(functools.partial(_scaled_backward_begins, watch))\n",
-        "                    pass\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "by_hand"),
     ),
     Mutation(
         "watch-per-thread",
         "the misuse watch counts scaled backwards by the Python thread that runs them: a backward without the scale in"
         " another thread of the same run is seen (issue 21, the watch)",
-        FABRIC_RECIPE,
+        FABRIC_WATCH,
         "        return threading.get_ident() in self._in_flight_per_thread\n",
         "        return self._in_flight > 0\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "same_run"),
@@ -534,7 +527,7 @@ MUTATIONS = (
         "watch-engine-thread-scaled-backward",
         "while a scaled backward runs on an engine thread (a CUDA loss's node), every hook goes by the run's count: no"
         " false error for the CPU parameters of that backward (issue 21, the watch)",
-        FABRIC_RECIPE,
+        FABRIC_WATCH,
         "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
         "        if _on_an_engine_thread():\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
@@ -543,52 +536,71 @@ MUTATIONS = (
         "watch-engine-thread-hook",
         "a hook on an engine thread (CUDA's device threads) goes by the run's count: no false error for a scaled"
         " backward's CUDA parameters (issue 21, the watch)",
-        FABRIC_RECIPE,
+        FABRIC_WATCH,
         "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
         "        if self._in_flight_on_engine_threads:\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
     ),
     Mutation(
-        "marked-backward-ends-with-iteration",
-        "a scaled backward the scaler marked, which an exception left (no end-of-backward callback), ends with its"
-        " iteration: it does not hide a later backward without the scale (issue 21, exceptions as transitions)",
+        "free-check-nothing-scaled",
+        "by default, a step or clipping before the scaler scaled any loss raises, naming the backward to call (issue"
+        " 27, the free checks)",
         FABRIC_RECIPE,
-        "        self._watch.end_unfinished()\n        self._settle()\n        self.phase = IterationPhase.OUTSIDE\n",
-        "        self._settle()\n        self.phase = IterationPhase.OUTSIDE\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raised"),
+        "            raise _nothing_scaled_error(optimizer, self._api)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raises_by_default"),
     ),
     Mutation(
-        "plugins-backward-marked-once",
-        "the plugin's own backward is marked by the plugin only, not a second time by its scaler (patch 0024)",
+        "watch-is-opt-in",
+        "the misuse watch runs only when the plugin is asked to (`watch_misuse=True`): the default path puts no hook on"
+        " the parameters (issue 27)",
+        PYTORCH_RECIPE,
+        "        if manual and self.scaler is not None and self.watch_misuse:\n",
+        "        if manual and self.scaler is not None:\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "registers_no_hook or one_scaler_for_two"),
+    ),
+    Mutation(
+        "fit-forgets-its-optimizers",
+        "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
+        " optimizer's step (issue 27 case 8)",
         FABRIC_RECIPE,
-        '        return getattr(self.scaler, "scale_unmarked", self.scaler.scale)(loss)\n',
-        "        return self.scaler.scale(loss)\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "marked_once"),
+        "        self._optimizer_wrappers = weakref.WeakSet()\n\n    def training_iteration_start",
+        "\n    def training_iteration_start",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "case_8"),
     ),
     Mutation(
-        "fabric-precision-serves-its-scaler",
-        "Fabric's `MixedPrecision` and `FSDPPrecision` serve their scaler too (patch 0024)",
-        "fabric/plugins/precision/fsdp.py",
-        "        _serve(self.scaler, self)  # tells the plugin about the losses it scales (the misuse watch)\n",
-        "        pass\n",
-        (f"{FABRIC_TESTS}/test_lightning_scaler.py",),
+        "clip-after-step-changes-nothing",
+        "a clip or unscale of an optimizer that stepped, with no backward since, changes nothing: no second unscale, no"
+        " second update (issue 27 cases 1, 6)",
+        FABRIC_RECIPE,
+        "        return record.stepped_gradient() is _first_gradient(optimizer)\n",
+        "        return False\n",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "case_1"),
     ),
     Mutation(
-        "users-scaler-is-served",
-        "a scaler of torch's own class that the user passes gets the subclass that tells the plugin, in place: the"
-        " recipe written by hand with it is not taken for `loss.backward()` (issue 21.7, patch 0024)",
-        "fabric/plugins/precision/lightning_scaler.py",
-        "        scaler.__class__ = _served_class(cls)\n",
-        "        return\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "users-scaler"),
+        "owed-update-waits-for-gradients-of-this-cycle",
+        "Fabric's owed update waits while an optimizer that has not stepped holds gradients of this cycle: they never"
+        " meet a second scale (issue 27 cases 9, 13)",
+        FABRIC_RECIPE,
+        "            if _has_gradients(optimizer):\n                return True\n        return False\n",
+        "            pass\n        return False\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "case_9 or case_13"),
     ),
     Mutation(
-        "fsdp-precision-serves-its-scaler",
-        "`FSDPPrecision`'s `ShardedGradScaler` tells the plugin about the losses it scales (issue 21.7, patch 0024)",
-        "pytorch/plugins/precision/fsdp.py",
-        "        _serve(self.scaler, self)  # tells the plugin about the losses it scales (the misuse watch)\n",
-        "        pass\n",
-        (f"{PRECISION_TESTS}/test_fsdp_users_own_scale.py",),
+        "skip-decided-on-the-host",
+        "a non-fused step that did not run was skipped: telling so reads nothing from the device (issue 27 case 4)",
+        FABRIC_RECIPE,
+        "        self._last[optimizer] = found_inf if in_kernel else True\n",
+        "        self._last[optimizer] = found_inf\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "reads_the_device_only"),
+    ),
+    Mutation(
+        "watch-leaves-no-dummy-thread",
+        "the watch tells an engine thread without registering it with `threading` (upstream's zombie-thread check)",
+        FABRIC_WATCH,
+        "    thread = threading._active.get(threading.get_ident())  # type: ignore[attr-defined]\n",
+        "    thread = threading.current_thread()\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engine"),
     ),
 )
 

@@ -333,13 +333,16 @@ def fabric_api(package: str) -> SimpleNamespace:
     return SimpleNamespace(Fabric=Fabric, MixedPrecision=MixedPrecision)
 
 
-def make_fabric(precision: str, package: str = "lightning", scaler: Optional[GradScaler] = None):
+def make_fabric(
+    precision: str, package: str = "lightning", scaler: Optional[GradScaler] = None, watch_misuse: bool = False
+):
     """A one-device CPU Fabric. 16-mixed goes through an explicit ``MixedPrecision`` with a CPU ``GradScaler``
     of the test's own settings (initial scale, ``growth_interval``); stock Fabric's ``precision="16-mixed"`` on CPU
-    would build a CUDA scaler, which disables itself."""
+    would build a CUDA scaler, which disables itself. ``watch_misuse`` switches the fork's opt-in misuse watch on."""
     api = fabric_api(package)
     if uses_scaler(precision):
-        plugin = api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler())
+        watch = {"watch_misuse": True} if watch_misuse and package == "lightning" else {}
+        plugin = api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler(), **watch)
         return api.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     assert scaler is None
     return api.Fabric(accelerator="cpu", devices=1, precision="32-true" if precision == "32" else precision)
@@ -362,10 +365,10 @@ def fabric_clip(fabric: Any, cell: Cell, model: Any, opt: Any) -> Optional[float
 class FabricLoop:
     """A hand-written Fabric training loop over a range of the fixed batches, recording what :class:`Run` holds."""
 
-    def __init__(self, cell: Cell, package: str = "lightning", seed: int = 7) -> None:
+    def __init__(self, cell: Cell, package: str = "lightning", seed: int = 7, watch_misuse: bool = False) -> None:
         self.cell = cell
         self.scaler = new_scaler() if uses_scaler(cell.precision) else None
-        self.fabric = make_fabric(cell.precision, package, scaler=self.scaler)
+        self.fabric = make_fabric(cell.precision, package, scaler=self.scaler, watch_misuse=watch_misuse)
         net = make_net(seed)
         self.model, *self.opts = self.fabric.setup(net, *make_optimizers(cell, net))
         self.run = Run(params={}, scales=[] if self.scaler else None, final_scale=None, skipped=[], changed=[])

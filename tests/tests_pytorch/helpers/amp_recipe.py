@@ -460,6 +460,7 @@ def lightning_api(package: str) -> SimpleNamespace:
             self.scales.append(None if scaler is None else scaler.get_scale())
 
     return SimpleNamespace(
+        fork=package == FORK,
         pl=pl,
         Trainer=pl.Trainer,
         LightningModule=pl.LightningModule,
@@ -470,10 +471,20 @@ def lightning_api(package: str) -> SimpleNamespace:
     )
 
 
-def make_trainer(api: SimpleNamespace, precision: str, scaler=None, callbacks=(), **kwargs: Any):
+def make_trainer(
+    api: SimpleNamespace,
+    precision: str,
+    scaler=None,
+    callbacks=(),
+    watch_misuse: bool = False,
+    plugin: Any = None,
+    **kwargs: Any,
+):
     """A CPU trainer for one epoch over the fixed batches. 16-mixed goes through an explicit ``MixedPrecision`` with a
     CPU ``GradScaler`` of the test's own settings (initial scale, ``growth_interval``); with ``scaler="lightning"``
-    through the ``precision`` flag, so that Lightning creates the scaler (on a CPU from torch 2.3)."""
+    through the ``precision`` flag, so that Lightning creates the scaler (on a CPU from torch 2.3). ``watch_misuse``
+    switches the fork's opt-in misuse watch on (stock has none: it is not passed there); ``plugin`` reuses a
+    ``MixedPrecision`` another Trainer has."""
     kwargs = {
         "accelerator": "cpu",
         "devices": 1,
@@ -486,10 +497,12 @@ def make_trainer(api: SimpleNamespace, precision: str, scaler=None, callbacks=()
         "callbacks": list(callbacks),
         **kwargs,
     }
-    if precision == "16-mixed" and scaler != "lightning":
-        kwargs["plugins"] = [
-            api.MixedPrecision("16-mixed", "cpu", scaler=scaler if scaler is not None else new_scaler())
-        ]
+    watch = {"watch_misuse": True} if watch_misuse and api.fork else {}
+    if plugin is not None:
+        kwargs["plugins"] = [plugin]
+    elif precision == "16-mixed" and (scaler != "lightning" or watch):
+        scaler = new_scaler() if scaler is None else None if scaler == "lightning" else scaler
+        kwargs["plugins"] = [api.MixedPrecision("16-mixed", "cpu", scaler=scaler, **watch)]
     else:
         assert scaler in (None, "lightning")
         kwargs["precision"] = "32-true" if precision == "32" else precision

@@ -191,6 +191,8 @@ class Scenario:
     records: bool = True
     #: a check that the recipe run exercised what the scenario is about (``RunResult -> bool``)
     sharp: Optional[Callable[[RunResult], bool]] = None
+    #: the fork's opt-in misuse watch (``MixedPrecision(..., watch_misuse=True)``); stock has none
+    watch_misuse: bool = False
 
     def expected(self, precision: str) -> Any:
         return self.expect[precision] if isinstance(self.expect, dict) else self.expect
@@ -433,7 +435,14 @@ def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
         scaler = None
         if precision == "16-mixed":
             scaler = scenario.scaler() if scenario.scaler is not None else new_scaler(init_scale=scenario.init_scale)
-        trainer = make_trainer(api, precision, scaler=scaler, callbacks=[recorder, *callbacks], **trainer_kwargs)
+        trainer = make_trainer(
+            api,
+            precision,
+            scaler=scaler,
+            callbacks=[recorder, *callbacks],
+            watch_misuse=scenario.watch_misuse,
+            **trainer_kwargs,
+        )
         trainer.fit(module, train_dataloaders=Positions(scenario.batches), ckpt_path=ckpt_path)
     except Exception as err:  # the outcome is judged by the test
         unchanged = module.unchanged_since_mark() if module._trainer is not None else None
@@ -1315,6 +1324,7 @@ def _scenarios() -> list[Scenario]:
             P16,
             _MANUAL_BACKWARD,
             {"16-mixed": Differs("parameters differ")},
+            watch_misuse=True,
         ),
         Scenario(
             "misuse_gan_g_loss_backward",
@@ -1326,6 +1336,7 @@ def _scenarios() -> list[Scenario]:
             {"16-mixed": Differs("scale trajectory")},
             net=_gan,
             configure=_gan_sgd,
+            watch_misuse=True,
         ),
         Scenario(
             "raw_optimizer_step",
@@ -1338,6 +1349,7 @@ def _scenarios() -> list[Scenario]:
                 "bf16-mixed": EQUAL,
             },
             {"16-mixed": Differs("scale trajectory"), "bf16-mixed": EQUAL},
+            watch_misuse=True,
         ),
         Scenario(
             "gradient_penalty",

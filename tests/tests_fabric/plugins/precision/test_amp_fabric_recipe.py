@@ -164,7 +164,7 @@ def _misused_loop(misuse: str, package: str = "lightning") -> tuple["FabricLoop"
     The unscaled backward runs on the module Fabric wrapped (``model.module``, or the reference to it a user kept
     from before ``fabric.setup``): on the wrapper's own outputs Fabric already refuses ``loss.backward()``, stock too.
     """
-    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package=package).train(range(1))
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package=package, watch_misuse=True).train(range(1))
     x, y = make_batches()[1]
     loop.opts[0].zero_grad()
     before = [p.detach().clone() for p in loop.model.parameters()]
@@ -217,15 +217,39 @@ def test_raw_optimizer_step_on_scaled_gradients_raises():
 
 
 def test_teardown_removes_the_watch():
-    """The strategy's teardown takes the watch's hooks off the parameters (they outlive the run otherwise)."""
-    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
+    """The strategy's teardown takes the opt-in watch's hooks off the parameters (they outlive the run otherwise)."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), watch_misuse=True)
     recipe = loop.precision_plugin._recipe
     assert recipe.watched
     loop.fabric.strategy.teardown()
     assert recipe.watched == 0
+    assert recipe._watch is None
+
+
+def test_the_default_path_puts_no_hook_on_the_parameters():
+    """Without ``watch_misuse`` nothing watches the parameters: no hook on any of them after setup and training."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum")).train(range(3))
+    assert loop.precision_plugin._recipe.watched == 0
+    for p in loop.model.parameters():
+        assert not p._post_accumulate_grad_hooks and not p._backward_hooks
+
+
+@pytest.mark.parametrize("action", ["step", "clip"])
+def test_loss_backward_with_nothing_scaled_raises_by_default(action):
+    """Without the watch, the free check: a step or clipping before the scaler scaled any loss raises and names
+    ``fabric.backward(loss)`` first (stock: torch's bare assertion), changing nothing."""
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
     x, y = make_batches()[0]
-    torch.nn.functional.mse_loss(loop.model.module(x), y).backward()
-    assert recipe._watch.accumulations == {}
+    before = [p.detach().clone() for p in loop.model.parameters()]
+    with loop.fabric.autocast():
+        loss = torch.nn.functional.mse_loss(loop.model.module(x), y)
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"^Call `fabric.backward\(loss\)` instead of `loss.backward\(\)`"):
+        if action == "step":
+            loop.opts[0].step()
+        else:
+            loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
 
 
 def _gradient_stepped(loop: "FabricLoop", step: Callable[[], Any]) -> float:
@@ -754,7 +778,7 @@ def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp
 def test_the_watch_of_a_collected_model_goes_with_it():
     """A fresh model per fold (cross-validation) with one Fabric: the hooks of the watch go away with the parameters
     and optimizers they watch, instead of piling up fold after fold."""
-    fabric = FabricLoop(Cell("16-mixed", "SGD-momentum")).fabric
+    fabric = FabricLoop(Cell("16-mixed", "SGD-momentum"), watch_misuse=True).fabric
     recipe = fabric.strategy.precision._recipe
     counts = []
     for _ in range(5):

@@ -476,7 +476,7 @@ def manual_plain_backward_from(misuse_at: int) -> Callable:
 def check_misuse_plain_backward(package: str, misuse_at: str) -> None:
     """``loss.backward()`` instead of ``self.manual_backward(loss)`` under 16-mixed: ``opt.step()`` raises and says what
     to call instead; the step leaves the weights untouched. From the first batch (the scaler has never scaled anything
-    yet) and after a few correct batches."""
+    yet: the free check, by default) and after a few correct batches (the opt-in misuse watch)."""
     api = lightning_api(package)
     seen: list = []
 
@@ -489,7 +489,13 @@ def check_misuse_plain_backward(package: str, misuse_at: str) -> None:
     configure = functools.partial(one_optimizer, name="SGD")
     with pytest.raises(RuntimeError, match="manual_backward"):
         fit_lightning(
-            package, "16-mixed", net, configure, manual_plain_backward_from(int(misuse_at)), module_cls=Module
+            package,
+            "16-mixed",
+            net,
+            configure,
+            manual_plain_backward_from(int(misuse_at)),
+            module_cls=Module,
+            watch_misuse=int(misuse_at) > 0,
         )
     assert len(seen) == 1, "training went on after the misuse"
     for before, after in zip(seen[0], net.parameters()):

@@ -1,12 +1,12 @@
 """PyTorch's AMP recipe written by hand with the plugin's scaler, in manual optimization under 16-mixed:
-``self.trainer.precision_plugin.scaler.scale(loss).backward()``, then ``opt.step()``. Stock Lightning trains it; the
-fork's misuse watch, which refuses gradients a backward without the scale accumulated, must not take it for
-``loss.backward()``: the plugin's scaler (the one Lightning creates, or one of torch's classes the user passes) tells
-the plugin about the losses it scales. A backward without the scale is still refused."""
+``self.trainer.precision_plugin.scaler.scale(loss).backward()``, then ``opt.step()``. Stock Lightning trains it, and so
+does the fork: by default nothing watches the backwards (no hook, the user's scaler object untouched), and only the
+free check runs (a step before the scaler scaled any loss raises, naming ``self.manual_backward``). The opt-in misuse
+watch (``MixedPrecision(..., watch_misuse=True)``) also refuses ``loss.backward()`` next to scaled backwards; with it on,
+a hand-written scaled backward is one it cannot see, as documented."""
 
 import copy
 import pickle
-import threading
 
 import pytest
 import torch
@@ -14,7 +14,6 @@ from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixe
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning.fabric.plugins.precision.lightning_scaler import _TellsThePlugin
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
@@ -47,8 +46,8 @@ class HandWrittenRecipe(LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=2)
 
 
-def _fit(model: LightningModule, scaler="lightning") -> Trainer:
-    trainer = make_trainer(lightning_api(FORK), "16-mixed", scaler=scaler)
+def _fit(model: LightningModule, scaler="lightning", watch_misuse: bool = False) -> Trainer:
+    trainer = make_trainer(lightning_api(FORK), "16-mixed", scaler=scaler, watch_misuse=watch_misuse)
     trainer.fit(model)
     return trainer
 
@@ -65,7 +64,8 @@ def test_the_recipe_by_hand_with_the_plugins_scaler_trains_as_torchs(users):
     passed = _users_scaler() if users else None
     trainer = _fit(model, passed if users else "lightning")
     if users:
-        assert trainer.precision_plugin.scaler is passed  # the user's object, served in place
+        assert trainer.precision_plugin.scaler is passed
+        assert type(passed) is GradScaler  # the user's object is never modified
     # Lightning's scaler's defaults, or the user's settings
     opt, scaler = torch.optim.SGD(twin.parameters(), lr=0.1), _users_scaler() if users else GradScaler("cpu")
     for batch in model.train_dataloader():
@@ -76,29 +76,6 @@ def test_the_recipe_by_hand_with_the_plugins_scaler_trains_as_torchs(users):
         opt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.layer.parameters(), twin.parameters()))
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
-
-
-class PluginsBackwardSeesItsMarks(HandWrittenRecipe):
-    """``self.manual_backward(loss)`` with Lightning's scaler, recording during the backward how many times the watch
-    counts it as a scaled backward on this thread."""
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        watch = self.trainer.precision_plugin._recipe._watch
-        self.marks = []
-        hidden = self.layer(batch)
-        hidden.register_hook(lambda grad: self.marks.append(watch._in_flight_per_thread.get(threading.get_ident())))
-        self.manual_backward(hidden.float().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
-
-
-def test_the_plugins_own_backward_is_marked_once():
-    """The plugin's backward marks itself; Lightning's scaler does not mark it a second time (on CUDA its mark would
-    run on a device thread, and turn every hook of the backward to the run's count)."""
-    model = PluginsBackwardSeesItsMarks()
-    _fit(model)
-    assert model.marks == [1]
 
 
 class HandWrittenRecipeCheckpointed(HandWrittenRecipe):
@@ -133,68 +110,84 @@ def test_the_recipe_by_hand_with_a_reentrant_checkpoint_trains_as_torchs():
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
 
 
-class HandWrittenBackwardRaisesThenPlain(HandWrittenRecipe):
-    """The first batch's hand-written scaled backward raises midway (caught: an OOM retried, say), so the autograd
-    engine never runs its end-of-backward callback; the second batch calls ``loss.backward()``."""
+def _recipe_by_hand(model: "HandWrittenRecipe", scaler: GradScaler) -> nn.Module:
+    twin = copy.deepcopy(model.layer)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for batch in model.train_dataloader():
+        with torch.autocast("cpu", dtype=torch.float16):
+            scaler.scale(twin(batch).float().pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return twin
+
+
+def test_one_scaler_for_two_plugins_trains_the_recipe_by_hand():
+    """Issue 27 case 5: one ``GradScaler`` passed to two ``MixedPrecision`` plugins (two Trainers built up front); the
+    first runs PyTorch's recipe by hand. No error, and the weights are the recipe's, as in stock."""
+    scaler = _users_scaler()
+    state = copy.deepcopy(scaler.__dict__)
+    first, second = (make_trainer(lightning_api(FORK), "16-mixed", scaler=scaler) for _ in range(2))
+    model = HandWrittenRecipe()
+    twin = _recipe_by_hand(model, _users_scaler())
+    first.fit(model)
+    assert first.precision_plugin.scaler is second.precision_plugin.scaler is scaler
+    assert type(scaler) is GradScaler and scaler.__dict__.keys() == state.keys()  # the user's object, unmodified
+    assert all(torch.equal(p, q) for p, q in zip(model.layer.parameters(), twin.parameters()))
+
+
+class ClipsAndSteps(HandWrittenRecipe):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.clip_gradients(opt, gradient_clip_val=1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_default_path_registers_no_hook(monkeypatch):
+    """Without ``watch_misuse`` the fork puts no hook on parameters, tensors or autograd nodes: a manual 16-mixed fit
+    with clipping registers none."""
+    registered = []
+    for cls, name in (
+        (torch.Tensor, "register_post_accumulate_grad_hook"),
+        (torch.Tensor, "register_hook"),
+        (torch.nn.Module, "register_full_backward_hook"),
+    ):
+        original = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *args, _f=original, _n=name, **kw: (registered.append(_n), _f(*args, **kw))[1])
+    model = ClipsAndSteps()
+    trainer = _fit(model)
+    assert registered == []
+    assert trainer.precision_plugin._recipe.watched == 0
+
+
+class PlainAfterManual(HandWrittenRecipe):
+    """A correct first batch, then ``loss.backward()`` instead of ``self.manual_backward(loss)``."""
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
-        hidden = self.layer(batch)
-        loss = hidden.float().pow(2).mean()
-        if batch_idx == 0:
-            hidden.register_hook(self._fail)
-            with pytest.raises(RuntimeError, match="midway"):
-                self.trainer.precision_plugin.scaler.scale(loss).backward()
-            opt.zero_grad()
-            return
-        loss.backward()
+        loss = self.layer(batch).float().pow(2).mean()
+        self.manual_backward(loss) if batch_idx == 0 else loss.backward()
         opt.step()
-
-    @staticmethod
-    def _fail(grad):
-        raise RuntimeError("the backward failed midway")
-
-
-def test_a_hand_written_backward_that_raised_ends_with_its_iteration():
-    """The scaled backward an exception left no longer counts once its iteration ended: the next batch's backward
-    without the scale is refused."""
-    with pytest.raises(RuntimeError, match="without the loss scale"):
-        _fit(HandWrittenBackwardRaisesThenPlain())
+        opt.zero_grad()
 
 
 @pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
-def test_a_backward_without_the_scale_is_still_refused(users):
-    with pytest.raises(RuntimeError, match="without the loss scale"):
+def test_no_backward_through_the_scaler_raises_by_default_naming_manual_backward(users):
+    """The free check: a step before the scaler scaled any loss (stock: torch's bare ``AssertionError``). The message
+    leads with what to call (issue 29 item 7)."""
+    with pytest.raises(RuntimeError, match=r"^Call `self.manual_backward\(loss\)` instead of `loss.backward\(\)`"):
         _fit(HandWrittenRecipe(scaled=False), _users_scaler() if users else "lightning")
 
 
-def test_a_users_scaler_of_torchs_class_is_served_in_place():
-    """The plugin gives the user's scaler a subclass of its own class: the same object, state and settings, still a
-    ``GradScaler``; a copy and a pickle keep the subclass and the state."""
-    scaler = _users_scaler()
-    scaler.scale(torch.ones(()))
-    scaler.update(2.0**10)  # state the plugin must not lose
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    assert plugin.scaler is scaler
-    assert isinstance(scaler, GradScaler)
-    assert isinstance(scaler, _TellsThePlugin)
-    assert scaler._plugin is plugin
-    assert (scaler.get_scale(), scaler.get_growth_interval()) == (2.0**10, 1)
-    for copied in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
-        assert type(copied) is type(scaler)
-        assert copied.state_dict() == scaler.state_dict()
-        assert type(copied._plugin) is MixedPrecision
-        assert copied._plugin.scaler is copied
-    # a second plugin (a second Trainer) takes the same scaler over, and its class stays the one subclass
-    served = type(scaler)
-    assert MixedPrecision("16-mixed", "cpu", scaler=scaler).scaler._plugin is not plugin
-    assert type(scaler) is served
+def test_a_backward_without_the_scale_after_scaled_ones_is_refused_with_the_watch():
+    with pytest.raises(RuntimeError, match=r"^Call `self.manual_backward\(loss\)`.*without the loss scale"):
+        _fit(PlainAfterManual(), watch_misuse=True)
+    _fit(PlainAfterManual())  # by default nothing watches: it trains, as stock does
 
 
-
-def test_a_pickled_plugin_is_still_told_by_its_scaler():
-    """Launchers pickle the plugin (``ddp_spawn``): the copy of Lightning's scaler tells the copy of the plugin."""
-    plugin = make_trainer(lightning_api(FORK), "16-mixed", scaler="lightning").precision_plugin
-    assert plugin.scaler._plugin is plugin
-    copied = pickle.loads(pickle.dumps(plugin))
-    assert copied.scaler._plugin is copied
+def test_the_watch_switch_survives_pickling():
+    """Launchers pickle the plugin (``ddp_spawn``): the copy keeps the switch."""
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"), watch_misuse=True)
+    assert pickle.loads(pickle.dumps(plugin)).watch_misuse

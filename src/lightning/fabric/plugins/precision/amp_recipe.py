@@ -27,20 +27,20 @@ The state it models:
 - per scaler, an :class:`IterationPhase`: ``INSIDE`` an iteration that a loop opened (the Trainer's training batch),
   or ``OUTSIDE`` (Fabric's loop, a step in ``on_train_epoch_end``), which decides when the single update is due.
 
-Two concerns have their own classes: :class:`_StepSkips` (whether a step was skipped, how many were) and
-:class:`_UnscaledBackwardWatch` (the misuse watch for backwards without the scale). :class:`_TorchScalerAdapter` is the
-only code that reads torch's private per-optimizer scaler state, and writes it in four named operations.
+:class:`_StepSkips` tells whether a step was skipped, and how many were; :class:`_TorchScalerAdapter` is the only code
+that reads torch's private per-optimizer scaler state, and writes it in four named operations. The misuse watch for
+backwards without the scale is opt-in and lives in :mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`; by
+default only the free checks run (a step before the scaler scaled any loss, a disabled scaler, LBFGS).
 """
 
 import enum
 import functools
 import inspect
-import threading
 import weakref
 from collections.abc import Generator, Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -52,9 +52,6 @@ try:  # torch >= 2.3
 except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
     from torch.cuda.amp.grad_scaler import OptState
 
-#: how many scaler updates the watch for backwards without the scale stays on once armed (each fit, each
-#: `fabric.setup`): a loop's misuse shows in its first iterations, and afterwards the watch costs nothing per step
-WATCHED_UPDATES = 8
 # `GradScaler("cpu")` scales on the CPU from torch 2.3; before, a scaler is CUDA's and disables itself on a CPU run.
 _CPU_GRAD_SCALER_AVAILABLE = hasattr(torch.amp, "GradScaler")
 
@@ -111,6 +108,17 @@ def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
         f"{owner} got a disabled gradient scaler: {why}. With precision='16-mixed' and no loss scaling, float16"
         f" gradients underflow to zero silently. To fix it, {fix}."
     )
+
+
+class _RunAPI(NamedTuple):
+    """What a user of the run calls, for the errors that tell them what to do."""
+
+    backward: str
+    optimizer: str
+
+
+_TRAINER_API = _RunAPI("self.manual_backward(loss)", "`self.optimizers()` (the `LightningOptimizer`)")
+_FABRIC_API = _RunAPI("fabric.backward(loss)", "`fabric.setup` (or `fabric.setup_optimizers`)")
 
 
 class IterationPhase(enum.Enum):
@@ -279,6 +287,11 @@ class _OptimizerRecord:
     mixed_scales: bool = False
     # stepped since the last update without the scaler (nothing reached it): torch holds nothing for it
     stepped_plainly: bool = False
+    # the recipe's count of scaled losses at its last step, and (weakly) the gradient tensor of its first parameter
+    # then: both unchanged, no backward ran since and nobody assigned new gradients (metadata, never values), so its
+    # gradients are the true ones it stepped on, which clipping after `opt.step()` must not unscale again
+    stepped_at: int = -1
+    stepped_gradient: Optional[Callable[[], Optional[Tensor]]] = None
 
     def clear(self) -> None:
         self.unscaled_before_update = self.mixed_scales = self.stepped_plainly = False
@@ -325,7 +338,8 @@ class _StepSkips:
         if ran and not in_kernel:
             self._last[optimizer] = False  # not skipped, and nothing to count
             return
-        self._last[optimizer] = found_inf
+        # torch decided a skip on the host when `step()` did not run; only an in-kernel check must be read to tell
+        self._last[optimizer] = found_inf if in_kernel else True
         self._pending.append(found_inf)
         if len(self._pending) >= 64:  # a fused optimizer's every step: bounded
             self._fold()
@@ -339,9 +353,11 @@ class _StepSkips:
             handle.remove()
         self._step_hooks.clear()
 
-    def was_skipped(self, optimizer: Any) -> bool:
+    def was_skipped(self, optimizer: Any, sync: bool = True) -> bool:
         last = self._last.get(optimizer, False)
-        return last if isinstance(last, bool) else bool(last.item() > 0)
+        if isinstance(last, bool):
+            return last
+        return sync and bool(last.item() > 0)
 
     def _fold(self) -> None:
         skipped = (torch.cat([f.reshape(1) for f in self._pending]) > 0).sum()
@@ -366,169 +382,6 @@ def _step_ran_hook(skips_ref: "weakref.ref[_StepSkips]", optimizer: Any, *_: Any
     skips = skips_ref()
     if skips is not None and id(optimizer) in skips._running:
         skips._running[id(optimizer)].append(True)
-
-
-class _UnscaledBackwardWatch:
-    """The misuse watch: gradients that a backward *without* the loss scale accumulated (``loss.backward()`` instead of
-    the plugin's backward), and ``step()`` of a raw optimizer on gradients still multiplied by the scale.
-
-    A parameter accumulated outside :meth:`scaled_backward` is recorded; its optimizer's next unscale or step, and the
-    next scaled backward, refuse while its gradients are live. Gradients assigned to ``.grad`` and
-    ``torch.autograd.grad`` are not accumulations. The hooks stay for the first :data:`WATCHED_UPDATES` updates after
-    :meth:`watch`, and are held weakly with what they watch.
-    """
-
-    def __init__(self, is_ready: Callable[[Any], bool]) -> None:
-        # whether an optimizer's gradients are still multiplied by the scale, as far as the recipe knows
-        self._is_ready = is_ready
-        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.accumulations: dict[int, Tensor] = {}
-        # this run's scaled backwards in flight (another run's hide nothing), by the Python thread that runs them, so
-        # that a backward without the scale in another thread is seen; a reentrant checkpoint's nested backward runs
-        # on the thread of the outer one. The autograd engine's own threads (CUDA's device threads) run the nodes of
-        # every thread's backward: a hook there, or any hook while a scaled backward runs on one (the CPU parameters
-        # of a CUDA loss's backward), can only go by the count of the run, and misses a concurrent misuse there
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._in_flight_per_thread: dict[int, int] = {}
-        self._in_flight_on_engine_threads = 0
-        # the ends of scaled backwards that the scaler marked at their loss's node (the recipe written by hand)
-        self._marked_ends: dict[object, Callable[[], None]] = {}
-        self._recipe_steps: set[int] = set()
-        self.ends_at_update = 0
-
-    def watch(self, optimizers: Iterable[Any], ends_at_update: int) -> None:
-        self.ends_at_update = ends_at_update
-        this = weakref.ref(self)
-        for optimizer in optimizers:
-            if optimizer not in self._watched:
-                self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p in self._watched or not p.requires_grad:
-                        continue
-                    self._watched[p] = p.register_post_accumulate_grad_hook(
-                        functools.partial(_accumulate_grad_hook, this)
-                    )
-
-    @property
-    def watching(self) -> int:
-        return len(self._watched)
-
-    def unwatch(self) -> None:
-        for handle in list(self._watched.values()):
-            handle.remove()
-        self._watched.clear()
-        self.accumulations.clear()
-
-    @contextmanager
-    def scaled_backward(self) -> Generator[None, None, None]:
-        """A backward of a loss the scaler scaled: what it accumulates carries the scale."""
-        self.refuse("a scaled backward")
-        thread, on_engine_thread = threading.get_ident(), _on_an_engine_thread()
-        with self._lock:
-            self._in_flight += 1
-            if on_engine_thread:
-                self._in_flight_on_engine_threads += 1
-            else:
-                self._in_flight_per_thread[thread] = self._in_flight_per_thread.get(thread, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-                if on_engine_thread:
-                    self._in_flight_on_engine_threads -= 1
-                elif self._in_flight_per_thread[thread] > 1:
-                    self._in_flight_per_thread[thread] -= 1
-                else:
-                    del self._in_flight_per_thread[thread]
-
-    def marked_scaled_backward_begins(self) -> Callable[[], None]:
-        """A backward that the scaler marked at its scaled loss's node has begun: a scaled backward until the returned
-        end is called (at the end of the backward), or until :meth:`end_unfinished` (an exception left it: the
-        autograd engine then runs no end-of-backward callback)."""
-        scope = self.scaled_backward()
-        scope.__enter__()
-        token = object()
-
-        def end() -> None:
-            if self._marked_ends.pop(token, None) is not None:
-                scope.__exit__(None, None, None)
-
-        self._marked_ends[token] = end
-        return end
-
-    def end_unfinished(self) -> None:
-        """The iteration ended: no backward of it is in flight any more, and marked ones an exception left end now."""
-        for end in list(self._marked_ends.values()):
-            end()
-
-    def carries_the_scale(self) -> bool:
-        """Whether the backward that runs the current hook is a scaled backward of this run."""
-        if self._in_flight_on_engine_threads or _on_an_engine_thread():
-            return self._in_flight > 0
-        return threading.get_ident() in self._in_flight_per_thread
-
-    def refuse(self, where: str, optimizer: Optional[Any] = None) -> None:
-        """Raise if parameters (of ``optimizer``, or any) hold live gradients a backward without the scale
-        accumulated; forget those that were cleared since."""
-        if not self.accumulations:
-            return
-        params = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
-        live = []
-        for key, p in list(self.accumulations.items()):
-            if params is not None and key not in params:
-                continue
-            if _is_live(p.grad):
-                live.append(p)
-            else:  # cleared since: nothing unscaled remains
-                del self.accumulations[key]
-        if live:
-            raise RuntimeError(
-                f"{where} found gradients that a backward without the loss scale accumulated ({len(live)} parameter"
-                " tensor(s)): with a gradient scaler every backward must go through it, or the step divides those"
-                " gradients by the scale. Call `self.manual_backward(loss)` instead of `loss.backward()` (or"
-                " `torch.autograd.backward`; in Fabric, `fabric.backward(loss)`) for every loss of the step. Nothing"
-                " was changed."
-            )
-
-    @contextmanager
-    def recipe_step(self, optimizer: Any) -> Generator[None, None, None]:
-        """The recipe's own step of ``optimizer`` through the scaler: not a raw step."""
-        self._recipe_steps.add(id(optimizer))
-        try:
-            yield
-        finally:
-            self._recipe_steps.discard(id(optimizer))
-
-    def _check_raw_step(self, optimizer: Any) -> None:
-        if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
-            return  # our step, or inside the user's own `scaler.step` of a fused optimizer
-        if self._is_ready(optimizer) and _holds_live_gradients(optimizer):
-            raise RuntimeError(
-                f"`{type(optimizer).__name__}.step()` was called on the raw optimizer, whose gradients are still"
-                " multiplied by the loss scale: the scaler neither unscaled them nor checked them for inf/NaN. Step the"
-                " optimizer `self.optimizers()` returns (the `LightningOptimizer`), or drive the scaler yourself"
-                " (`scaler.unscale_(opt)` or `scaler.step(opt)`). The step was not taken."
-            )
-
-
-def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
-    watch = watch_ref()
-    if watch is not None and not watch.carries_the_scale():
-        watch.accumulations[id(param)] = param
-
-
-def _on_an_engine_thread() -> bool:
-    # a thread that Python's `threading` did not start: the autograd engine's (or one started with `_thread`)
-    return isinstance(threading.current_thread(), threading._DummyThread)
-
-
-def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:
-    watch = watch_ref()
-    if watch is not None:
-        watch._check_raw_step(optimizer)
 
 
 class GradScalerRecipe:
@@ -576,6 +429,7 @@ class GradScalerRecipe:
         scaler: Any,
         aliases: Callable[[Any], Iterable[Any]] = lambda optimizer: (),
         optimizers: Callable[[], Iterable[Any]] = tuple,
+        api: _RunAPI = _FABRIC_API,
     ) -> None:
         """
         Args:
@@ -585,6 +439,7 @@ class GradScalerRecipe:
             optimizers: returns every optimizer of the run, where the caller knows them (the Trainer's, those
                 ``fabric.setup`` wrapped). Once each of them has stepped, the update is applied right away: it is
                 the iteration's single update, and ``scaler.get_scale()`` after a step shows whether it was skipped.
+            api: what the user calls to backpropagate and to step, named by the errors.
 
         """
         self.scaler = scaler
@@ -594,8 +449,13 @@ class GradScalerRecipe:
         self._torch = _TorchScalerAdapter(scaler)
         self._records: weakref.WeakKeyDictionary[Any, _OptimizerRecord] = weakref.WeakKeyDictionary()
         self._updates = 0
+        # how many losses `scale` scaled, and how many had been at the last update (none since: no new gradients)
+        self._scaled_losses = 0
+        self._losses_at_update = 0
         self._skips = _StepSkips()
-        self._watch = _UnscaledBackwardWatch(lambda optimizer: self.stage(optimizer) is OptState.READY)
+        self._api = api
+        # the opt-in misuse watch (`watch_unscaled_backward`); `None`: off, nothing on the parameters
+        self._watch: Optional[Any] = None
         # hooks on the parameters of optimizers unscaled and not stepped, for the coming scaled backward
         self._unscaled_watch: list[Any] = []
 
@@ -637,39 +497,53 @@ class GradScalerRecipe:
                 changed then.
 
         """
-        self._watch.refuse("a scaled backward")  # before any transition: a refused backward changes nothing
-        if self.phase is IterationPhase.OUTSIDE:
+        if self._watch is not None:  # before any transition: a refused backward changes nothing
+            self._watch.refuse("the next scaled backward")
+        if self.phase is IterationPhase.OUTSIDE and not self._gradients_wait_for_a_step():
             self._settle()
+        self._scaled_losses += 1
         self._stop_watching_unscaled()
         if self._records or self._torch.has_inf_checks():
             for optimizer in self._candidates(optimizers):
                 self._begin_step_cycle(optimizer)
-        # the caller's `backward()` marks this backward: a scaler that marks the backwards of what it scales
-        # (`lightning_scaler`) is asked not to, again
-        return getattr(self.scaler, "scale_unmarked", self.scaler.scale)(loss)
+        return self.scaler.scale(loss)
+
+    def _gradients_wait_for_a_step(self) -> bool:
+        """Whether an optimizer of the run that has not stepped since the last update holds gradients produced since
+        then: the owed update must wait (for its step, or the iteration's end), or this backward's gradients would meet
+        a second scale. Read from metadata: torch's stage, the recipe's count of scaled losses, ``.grad`` presence."""
+        if not self._torch.has_inf_checks():
+            return False  # nothing owed
+        produced_since = self._scaled_losses != self._losses_at_update
+        for optimizer in self._optimizers():
+            stage = self.stage(optimizer)
+            if stage is OptState.STEPPED or (stage is OptState.READY and not produced_since):
+                continue
+            if _has_gradients(optimizer):
+                return True
+        return False
 
     def _begin_step_cycle(self, optimizer: Any) -> None:
         self._torch.adopt(optimizer, self._aliases(optimizer))
-        stage = self.stage(optimizer)
-        if stage is OptState.STEPPED:
-            self._restart_step_cycle(optimizer)
-        elif stage is OptState.UNSCALED:
+        if self.stage(optimizer) is OptState.UNSCALED:
             # legal as long as this backward does not reach its parameters (two networks, each clipped after its own
             # backward; a GAN's toggled optimizers); when it does, cleared gradients (None or zeros) start afresh
-            self._watch_unscaled(optimizer, cleared=not _holds_live_gradients(optimizer))
+            self._watch_unscaled(optimizer)
 
     def _restart_step_cycle(self, optimizer: Any) -> None:
         self._torch.set_aside(optimizer)
         self._record(optimizer).clear()
 
-    def _watch_unscaled(self, optimizer: Any, cleared: bool) -> None:
-        """Until this backward ends: if it reaches ``optimizer``'s parameters, its unscaled gradients now mix two
-        scales, or, when they were ``cleared``, it starts a fresh step cycle; if it does not, the optimizer stays
-        unscaled, and its step is skipped on the inf check its unscale recorded, as in torch."""
+    def _watch_unscaled(self, optimizer: Any) -> None:
+        """Until this backward ends: if it reaches ``optimizer``'s parameters, its unscaled gradients would mix two
+        scales, or, when they were cleared, it starts a fresh step cycle; if it does not, the optimizer stays unscaled,
+        and its step is skipped on the inf check its unscale recorded, as in torch. Which of the two is told only when
+        the backward reaches them, before it accumulates: a backward that does not (two networks, each clipped after
+        its own backward) reads nothing."""
         self._record(optimizer)
-        hook = functools.partial(_unscaled_reached_hook, weakref.ref(self), optimizer, cleared)
+        hook = functools.partial(_unscaled_reached_hook, weakref.ref(self), optimizer)
         self._unscaled_watch.extend(
-            p.register_post_accumulate_grad_hook(hook)
+            p.register_hook(hook)
             for group in optimizer.param_groups
             for p in group["params"]
             if p.requires_grad
@@ -690,7 +564,7 @@ class GradScalerRecipe:
 
         """
         try:
-            with self._watch.scaled_backward():
+            with self._watch.scaled_backward() if self._watch is not None else nullcontext():
                 yield
         finally:
             self._stop_watching_unscaled()
@@ -713,16 +587,26 @@ class GradScalerRecipe:
             if required:
                 raise _unscales_itself_error(optimizer)
             return
-        self._prepare(optimizer, aliases, f"Unscaling the gradients of {type(optimizer).__name__}")
-        if self.stage(optimizer) is OptState.READY:
+        stage = self._prepare(optimizer, aliases, f"the unscale of {type(optimizer).__name__}'s gradients")
+        if self._unreached_since_step(optimizer):
+            return  # clipping after `opt.step()`: the gradients it stepped on are true ones already
+        if stage is OptState.STEPPED:
+            # stepped before the update and reached by a backward since (a critic stepped again): a new step cycle
+            self._restart_step_cycle(optimizer)
+            stage = OptState.READY
+        if stage is OptState.READY:
             self._torch.unscale_(optimizer)
 
     def _prepare(self, optimizer: Any, aliases: Iterable[Any], where: str) -> OptState:
         """The checks before an unscale or a step: the refusals, and what was cleared since it was unscaled."""
-        self._watch.refuse(where, optimizer)
+        if self._watch is not None:
+            self._watch.refuse(where, optimizer)
         self._torch.adopt(optimizer, aliases)
         record = self._record(optimizer)  # known from now on: an update that forgets its unscale marks it
         stage = self.stage(optimizer)
+        if stage is OptState.READY and not self._torch.has_scaled() and _has_gradients(optimizer):
+            # free: read only until the first loss is scaled, where torch's own `unscale_` fails with a bare assertion
+            raise _nothing_scaled_error(optimizer, self._api)
         if record.mixed_scales or record.unscaled_before_update:
             if not _holds_live_gradients(optimizer):
                 # zeroed since (`zero_grad(set_to_none=False)`): nothing unscaled remains, a fresh step cycle, as
@@ -766,17 +650,34 @@ class GradScalerRecipe:
             self._torch.drop_empty(optimizer)
             output = optimizer.step(**kwargs)
             record.stepped_plainly = True
+            self._stepped(optimizer, record)
             self._skips.forget(optimizer)
             self._update_once_every_optimizer_stepped(optimizer)
             return output
         _protect_fused_sgd_momentum(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False) and not unscales_itself:
             self._torch.zero_dim_inf_checks(optimizer)
-        with self._watch.recipe_step(optimizer), self._skips.observe(optimizer) as ran:
+        watch = self._watch.recipe_step(optimizer) if self._watch is not None else nullcontext()
+        with watch, self._skips.observe(optimizer) as ran:
             output = self._torch.step(optimizer, **kwargs)
+        self._stepped(optimizer, record)
         self._skips.record(optimizer, self._torch.found_inf(optimizer), ran=bool(ran))
         self._update_once_every_optimizer_stepped(optimizer)
         return output
+
+    def _stepped(self, optimizer: Any, record: _OptimizerRecord) -> None:
+        record.stepped_at = self._scaled_losses
+        gradient = _first_gradient(optimizer)
+        record.stepped_gradient = _NO_GRADIENT if gradient is None else weakref.ref(gradient)
+
+    def _unreached_since_step(self, optimizer: Any) -> bool:
+        """Whether no scaled backward ran since ``optimizer``'s last step: READY then holds the true gradients it
+        stepped on (one optimizer: the update followed the step), and unscaling would divide them by the scale.
+        Gradients assigned since (``torch.autograd.grad`` of the scaled loss) are new tensors: they are unscaled."""
+        record = self._records[optimizer]
+        if record.stepped_at != self._scaled_losses or record.stepped_gradient is None:
+            return False
+        return record.stepped_gradient() is _first_gradient(optimizer)
 
     def _update_once_every_optimizer_stepped(self, optimizer: Any) -> None:
         # the last step of the iteration: nothing is left for the scale to unscale, so the update is due now, exactly
@@ -792,7 +693,6 @@ class GradScalerRecipe:
 
     def iteration_end(self) -> None:
         """A loop closes a training iteration: the iteration's single ``scaler.update()``."""
-        self._watch.end_unfinished()
         self._settle()
         self.phase = IterationPhase.OUTSIDE
 
@@ -807,8 +707,10 @@ class GradScalerRecipe:
                     self._record(optimizer).unscaled_before_update = True
             self._torch.update()
             self._updates += 1
-            if self._updates >= self._watch.ends_at_update and not self._watch.accumulations:
-                self._watch.unwatch()
+            self._losses_at_update = self._scaled_losses
+            watch = self._watch
+            if watch is not None and self._updates >= watch.ends_at_update and not watch.accumulations:
+                self.unwatch()
         self._torch.drop_empty()
         for record in self._records.values():
             record.stepped_plainly = False
@@ -835,8 +737,8 @@ class GradScalerRecipe:
         ``on_train_epoch_end``) is applied, as the recipe applies it right after those steps."""
         if self.phase is IterationPhase.OUTSIDE:
             self._settle()
-        self._watch.end_unfinished()
         self._skips.release()
+        self._records.clear()  # this fit's optimizers: the next fit has its own
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict``: the update owed so far is consumed (the loaded state replaces what it would
@@ -846,34 +748,42 @@ class GradScalerRecipe:
         for record in self._records.values():
             record.clear()
 
-    # ---- the misuse watch ---------------------------------------------------------------------------------------
+    # ---- the opt-in misuse watch ------------------------------------------------------------------------------
 
     def watch_unscaled_backward(self, optimizers: Iterable[Optimizer]) -> None:
-        """Watch ``optimizers``' parameters for gradients accumulated by a backward that :meth:`scale` did not scale
-        (``loss.backward()`` instead of the plugin's backward), and their raw ``step()`` on scaled gradients, for the
-        next :data:`WATCHED_UPDATES` scaler updates (iterations that step); then, or with :meth:`unwatch`, the hooks
-        are removed. Costs one Python call per parameter per backward while on."""
-        if self.scaler.is_enabled():
-            self._watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
+        """Switch the misuse watch on (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`) for
+        ``optimizers``: gradients accumulated by a backward that :meth:`scale` did not scale, and a raw ``step()`` on
+        scaled gradients, raise for the next ``WATCHED_UPDATES`` scaler updates; then, or with :meth:`unwatch`, its
+        hooks are removed. Costs one Python call per parameter per backward while on."""
+        from lightning.fabric.plugins.precision.amp_misuse_watch import WATCHED_UPDATES, _UnscaledBackwardWatch
+
+        if not self.scaler.is_enabled():
+            return
+        if self._watch is None:
+            self._watch = _UnscaledBackwardWatch(lambda optimizer: self.stage(optimizer) is OptState.READY, self._api)
+        self._watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
 
     @property
     def watched(self) -> int:
-        """How many optimizers and parameters are watched: each one's hook goes away with it."""
-        return self._watch.watching
+        """How many optimizers and parameters the misuse watch holds a hook on (0 when it is off)."""
+        return 0 if self._watch is None else self._watch.watching
 
     def unwatch(self) -> None:
-        self._watch.unwatch()
+        if self._watch is not None:
+            self._watch.unwatch()
+            self._watch = None
 
     # ---- signals ------------------------------------------------------------------------------------------------
 
-    def step_was_skipped(self, optimizer: Optimizer) -> bool:
+    def step_was_skipped(self, optimizer: Optimizer, sync: bool = True) -> bool:
         """Whether the last :meth:`step` of ``optimizer`` was skipped because its gradients held inf/NaN.
 
-        ``False`` before its first step, and for a step with no gradients. For an optimizer that checks inf/NaN in
-        its own kernel (``fused=True``), reading it synchronises with the device.
+        ``False`` before its first step, and for a step with no gradients. An optimizer that checks inf/NaN in its own
+        kernel (``fused=True``) is answered by reading its inf check from the device; with ``sync=False`` it reads as
+        not skipped instead (a step-interval scheduler's check, which must not synchronise every step).
 
         """
-        return self._skips.was_skipped(optimizer)
+        return self._skips.was_skipped(optimizer, sync)
 
     def forget_last_step(self, optimizer: Optimizer) -> None:
         """``optimizer`` did not step in this iteration (nothing to step on): no step of it was skipped, and an unscale
@@ -905,7 +815,6 @@ class GradScalerRecipe:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._records = weakref.WeakKeyDictionary()
-        self._watch = _UnscaledBackwardWatch(lambda optimizer: self.stage(optimizer) is OptState.READY)
         self._aliases = lambda optimizer: ()
         self._optimizers = tuple
 
@@ -947,6 +856,16 @@ def _closure_error(optimizer: Any) -> RuntimeError:
     )
 
 
+def _nothing_scaled_error(optimizer: Any, api: _RunAPI) -> RuntimeError:
+    """A step or unscale of gradients while the scaler has not scaled any loss: no backward went through it."""
+    return RuntimeError(
+        f"Call `{api.backward}` instead of `loss.backward()`: with a gradient scaler (precision='16-mixed') every"
+        f" backward must go through it. The gradients of {type(optimizer).__name__} come from a backward without the"
+        " loss scale (the scaler has not scaled any loss yet), so the scaler can neither unscale them nor check them"
+        " for inf/NaN. Nothing was changed."
+    )
+
+
 def _unscaled_earlier_error(optimizer: Any) -> RuntimeError:
     """A step on gradients unscaled before an update that changed the scale."""
     return RuntimeError(
@@ -956,12 +875,12 @@ def _unscaled_earlier_error(optimizer: Any) -> RuntimeError:
     )
 
 
-def _unscaled_reached_hook(
-    recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Any, cleared: bool, param: Tensor
-) -> None:
+def _unscaled_reached_hook(recipe_ref: "weakref.ref[GradScalerRecipe]", optimizer: Any, grad: Tensor) -> None:
+    # before the first accumulation into `optimizer`'s parameters: every one of them still holds what it held
     recipe = recipe_ref()
     if recipe is None or recipe.stage(optimizer) is not OptState.UNSCALED:
         return  # restarted by an earlier parameter of this backward
+    cleared = not _holds_live_gradients(optimizer)
     if cleared:
         recipe._restart_step_cycle(optimizer)
     else:
@@ -971,6 +890,22 @@ def _unscaled_reached_hook(
 def _is_live(grad: Optional[Tensor]) -> bool:
     """Whether ``grad`` holds anything: ``zero_grad(set_to_none=False)`` leaves zeros, which are not live."""
     return grad is not None and bool(grad.ne(0).any())
+
+
+def _NO_GRADIENT() -> None:
+    return None
+
+
+def _first_gradient(optimizer: Any) -> Optional[Tensor]:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return p.grad
+    return None
+
+
+def _has_gradients(optimizer: Any) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _holds_live_gradients(optimizer: Any) -> bool:
@@ -1022,10 +957,15 @@ class _ScalerRecipeHolder:
     scaler: Optional[Any]
     #: what a step of LBFGS under the scaler raises: the type each package raised before
     _lbfgs_error: type[Exception] = TypeError
+    #: what the user calls, for the errors
+    _run_api: _RunAPI = _FABRIC_API
 
     def _init_amp_recipe(self) -> None:
         self._scaler_recipe: Optional[GradScalerRecipe] = None
+        # the wrappers of this fit's optimizers (this `fabric.setup`'s): dropped when training ends
         self._optimizer_wrappers: weakref.WeakSet = weakref.WeakSet()
+        #: whether the opt-in misuse watch (`amp_misuse_watch`) runs: off by default, it puts a hook on every parameter
+        self.watch_misuse = False
 
     def _check_scaler(self) -> None:
         """Before training: refuse a scaler torch disabled (constructing the plugin on a machine without the scaler's
@@ -1037,7 +977,7 @@ class _ScalerRecipeHolder:
         assert self.scaler is not None
         if self._scaler_recipe is None or self._scaler_recipe.scaler is not self.scaler:
             self._scaler_recipe = GradScalerRecipe(
-                self.scaler, aliases=self._aliases, optimizers=self._known_optimizers
+                self.scaler, aliases=self._aliases, optimizers=self._known_optimizers, api=self._run_api
             )
         return self._scaler_recipe
 
@@ -1048,6 +988,14 @@ class _ScalerRecipeHolder:
                 " several times per step and reads the gradients in between, which the scaler cannot unscale."
                 " Use `precision='bf16-mixed'` or `'32-true'` with LBFGS."
             )
+
+    def _finish_amp_recipe(self) -> None:
+        """Training ends (the plugin's teardown): the owed update is applied, the watch goes, and this fit's optimizers
+        are forgotten (a second fit with this plugin has its own)."""
+        if self._scaler_recipe is not None:
+            self._scaler_recipe.finish()
+            self._scaler_recipe.unwatch()
+        self._optimizer_wrappers = weakref.WeakSet()
 
     def training_iteration_start(self) -> None:
         """A loop opens a training iteration (the precision plugins' hook of both packages)."""

@@ -40,10 +40,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     plugin's ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues with, the owed update
     included, and changes nothing.
 
-    Under an enabled scaler the parameters of every optimizer ``fabric.setup`` wraps are watched (as in the Trainer's
-    manual optimization): gradients accumulated by a backward the scaler did not scale (``loss.backward()`` instead of
-    ``fabric.backward(loss)``) make the next step or clipping of their optimizer raise, and so does a ``step()`` of the
-    raw optimizer on gradients still multiplied by the scale.
+    A step or clipping before the scaler scaled any loss (``loss.backward()`` instead of ``fabric.backward(loss)``)
+    raises. With ``watch_misuse=True`` the parameters of every optimizer ``fabric.setup`` wraps are watched too
+    (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`): gradients a backward the scaler did not scale
+    accumulated next to scaled ones make the next step or clipping of their optimizer raise, and so does a ``step()``
+    of the raw optimizer on gradients still multiplied by the scale.
 
     """
 
@@ -60,17 +61,14 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     @override
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
         super().track_optimizer_wrapper(wrapper)
-        if self.scaler is not None and self.scaler.is_enabled():
-            # the loop is the user's: `loss.backward()` instead of `fabric.backward(loss)`, or a step of the raw
-            # optimizer, would leave gradients the scaler did not scale, or step on scaled ones: both raise instead of
-            # training silently wrong (a disabled scaler is refused at the first backward)
+        if self.scaler is not None and self.scaler.is_enabled() and self.watch_misuse:
+            # opt-in: `loss.backward()` next to `fabric.backward(loss)`, or a step of the raw optimizer, would leave
+            # gradients the scaler did not scale, or step on scaled ones: both raise instead of training silently wrong
             self._recipe.watch_unscaled_backward([wrapper.optimizer])
 
     @override
     def teardown(self) -> None:
-        if self._scaler_recipe is not None:
-            self._scaler_recipe.finish()
-            self._scaler_recipe.unwatch()
+        self._finish_amp_recipe()
         super().teardown()
 
     @override
@@ -87,10 +85,10 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._recipe.unscale(optimizer, self._aliases(optimizer))
 
     @override
-    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
+    def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
-        return self._recipe.step_was_skipped(optimizer)  # type: ignore[arg-type]
+        return self._recipe.step_was_skipped(optimizer, sync)  # type: ignore[arg-type]
 
     @override
     def state_dict(self) -> dict[str, Any]:

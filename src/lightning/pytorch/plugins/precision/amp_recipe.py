@@ -34,10 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.precision.amp_recipe import (
-    _autocast_enabled,
-    _ScalerRecipeHolder,
-)
+from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API, _autocast_enabled, _ScalerRecipeHolder
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -56,6 +53,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     scaler: Optional[Any]
     _lbfgs_error = MisconfigurationException
+    _run_api = _TRAINER_API
     # whether the subclass's autocast caches casts; off unless it says so
     cache_enabled: bool = False
 
@@ -71,9 +69,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         module = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
         manual = module is not None and not module.automatic_optimization
         self._on_optimization_mode(manual)
-        if manual and self.scaler is not None:
-            # `loss.backward()` instead of `self.manual_backward(loss)`, or a step of the raw optimizer, would leave
-            # gradients the scaler did not scale, or step on scaled ones: both raise instead of training silently wrong
+        if manual and self.scaler is not None and self.watch_misuse:
+            # opt-in: `loss.backward()` next to `self.manual_backward(loss)`, or a step of the raw optimizer, would
+            # leave gradients the scaler did not scale, or step on scaled ones: both raise instead of training wrong
             self._recipe.watch_unscaled_backward(optimizers)
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -82,9 +80,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     @override
     def teardown(self) -> None:
-        if self.scaler is not None and self._scaler_recipe is not None:
-            self._scaler_recipe.finish()
-            self._scaler_recipe.unwatch()
+        if self.scaler is not None:
+            self._finish_amp_recipe()
         super().teardown()
 
     def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[Any, ...]]:
@@ -196,10 +193,10 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
-    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
+    def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
-        return self._recipe.step_was_skipped(self._unwrap(optimizer)[0])
+        return self._recipe.step_was_skipped(self._unwrap(optimizer)[0], sync)
 
     @override
     def state_dict(self) -> dict[str, Any]:

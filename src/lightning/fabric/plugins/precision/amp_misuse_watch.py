@@ -1,0 +1,190 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The opt-in misuse watch of a gradient scaler's recipe (``MixedPrecision(..., watch_misuse=True)``).
+
+Off by default, like ``torch.autograd.detect_anomaly``: it puts a hook on every parameter of the run. Switched on, it
+refuses gradients that a backward *without* the loss scale accumulated next to scaled ones (``loss.backward()`` for one
+loss, ``self.manual_backward(loss)`` / ``fabric.backward(loss)`` for another), and a ``step()`` of the raw optimizer on
+gradients still multiplied by the scale, for the first :data:`WATCHED_UPDATES` scaler updates of a fit.
+
+Without it, only the checks that cost nothing per step run (in the recipe): a step with gradients while the scaler has
+scaled nothing yet, a disabled scaler, LBFGS. PyTorch's recipe written by hand with the plugin's scaler
+(``scaler.scale(loss).backward()``) is a backward the watch cannot see: with the watch on, use the plugin's backward.
+
+Example::
+
+    plugin = MixedPrecision("16-mixed", "cuda", watch_misuse=True)
+    trainer = Trainer(plugins=[plugin])  # `loss.backward()` next to `self.manual_backward(...)` now raises
+
+"""
+
+import functools
+import threading
+import weakref
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning.fabric.plugins.precision.amp_recipe import _holds_live_gradients, _is_live, _RunAPI
+
+#: how many scaler updates the watch stays on once armed (each fit, each `fabric.setup`): a loop's misuse shows in its
+#: first iterations, and afterwards the watch costs nothing per step
+WATCHED_UPDATES = 8
+
+
+class _UnscaledBackwardWatch:
+    """The misuse watch: gradients that a backward *without* the loss scale accumulated (``loss.backward()`` instead of
+    the plugin's backward), and ``step()`` of a raw optimizer on gradients still multiplied by the scale.
+
+    A parameter accumulated outside :meth:`scaled_backward` is recorded; its optimizer's next unscale or step, and the
+    next scaled backward, refuse while its gradients are live. Gradients assigned to ``.grad`` and
+    ``torch.autograd.grad`` are not accumulations. The hooks stay for the first :data:`WATCHED_UPDATES` updates after
+    :meth:`watch`, and are held weakly with what they watch.
+    """
+
+    def __init__(self, is_ready: Callable[[Any], bool], api: _RunAPI) -> None:
+        # whether an optimizer's gradients are still multiplied by the scale, as far as the recipe knows
+        self._is_ready = is_ready
+        self._api = api
+        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.accumulations: dict[int, Tensor] = {}
+        # this run's scaled backwards in flight (another run's hide nothing), by the Python thread that runs them, so
+        # that a backward without the scale in another thread is seen; a reentrant checkpoint's nested backward runs
+        # on the thread of the outer one. The autograd engine's own threads (CUDA's device threads) run the nodes of
+        # every thread's backward: a hook there, or any hook while a scaled backward runs on one (the CPU parameters
+        # of a CUDA loss's backward), can only go by the count of the run, and misses a concurrent misuse there
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._in_flight_per_thread: dict[int, int] = {}
+        self._in_flight_on_engine_threads = 0
+        self._recipe_steps: set[int] = set()
+        self.ends_at_update = 0
+
+    def watch(self, optimizers: Iterable[Any], ends_at_update: int) -> None:
+        self.ends_at_update = ends_at_update
+        this = weakref.ref(self)
+        for optimizer in optimizers:
+            if optimizer not in self._watched:
+                self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in self._watched or not p.requires_grad:
+                        continue
+                    self._watched[p] = p.register_post_accumulate_grad_hook(
+                        functools.partial(_accumulate_grad_hook, this)
+                    )
+
+    @property
+    def watching(self) -> int:
+        return len(self._watched)
+
+    def unwatch(self) -> None:
+        for handle in list(self._watched.values()):
+            handle.remove()
+        self._watched.clear()
+        self.accumulations.clear()
+
+    @contextmanager
+    def scaled_backward(self) -> Generator[None, None, None]:
+        """A backward of a loss the scaler scaled: what it accumulates carries the scale."""
+        self.refuse("a scaled backward")
+        thread, on_engine_thread = threading.get_ident(), _on_an_engine_thread()
+        with self._lock:
+            self._in_flight += 1
+            if on_engine_thread:
+                self._in_flight_on_engine_threads += 1
+            else:
+                self._in_flight_per_thread[thread] = self._in_flight_per_thread.get(thread, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if on_engine_thread:
+                    self._in_flight_on_engine_threads -= 1
+                elif self._in_flight_per_thread[thread] > 1:
+                    self._in_flight_per_thread[thread] -= 1
+                else:
+                    del self._in_flight_per_thread[thread]
+
+    def carries_the_scale(self) -> bool:
+        """Whether the backward that runs the current hook is a scaled backward of this run."""
+        if self._in_flight_on_engine_threads or _on_an_engine_thread():
+            return self._in_flight > 0
+        return threading.get_ident() in self._in_flight_per_thread
+
+    def refuse(self, where: str, optimizer: Optional[Any] = None) -> None:
+        """Raise if parameters (of ``optimizer``, or any) hold live gradients a backward without the scale
+        accumulated; forget those that were cleared since."""
+        if not self.accumulations:
+            return
+        params = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
+        live = []
+        for key, p in list(self.accumulations.items()):
+            if params is not None and key not in params:
+                continue
+            if _is_live(p.grad):
+                live.append(p)
+            else:  # cleared since: nothing unscaled remains
+                del self.accumulations[key]
+        if live:
+            raise RuntimeError(
+                f"Call `{self._api.backward}` instead of `loss.backward()` (or `torch.autograd.backward`) for every"
+                " loss of the step: with a gradient scaler every backward must go through it. The misuse watch found"
+                f" gradients that a backward without the loss scale accumulated ({len(live)} parameter tensor(s)) at"
+                f" {where}; the step would divide them by the scale. Nothing was changed."
+            )
+
+    @contextmanager
+    def recipe_step(self, optimizer: Any) -> Generator[None, None, None]:
+        """The recipe's own step of ``optimizer`` through the scaler: not a raw step."""
+        self._recipe_steps.add(id(optimizer))
+        try:
+            yield
+        finally:
+            self._recipe_steps.discard(id(optimizer))
+
+    def _check_raw_step(self, optimizer: Any) -> None:
+        if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
+            return  # our step, or inside the user's own `scaler.step` of a fused optimizer
+        if self._is_ready(optimizer) and _holds_live_gradients(optimizer):
+            raise RuntimeError(
+                f"Step the optimizer {self._api.optimizer} returns (or drive the scaler yourself:"
+                f" `scaler.unscale_(opt)` or `scaler.step(opt)`): `{type(optimizer).__name__}.step()` was called on the"
+                " raw optimizer, whose gradients are still multiplied by the loss scale, so the scaler neither unscaled"
+                " them nor checked them for inf/NaN. The step was not taken."
+            )
+
+
+def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
+    watch = watch_ref()
+    if watch is not None and not watch.carries_the_scale():
+        watch.accumulations[id(param)] = param
+
+
+def _on_an_engine_thread() -> bool:
+    # a thread that Python's `threading` did not start: the autograd engine's (or one started with `_thread`). Not
+    # `threading.current_thread()`, which would register such a thread with `threading` for good
+    thread = threading._active.get(threading.get_ident())  # type: ignore[attr-defined]
+    return thread is None or isinstance(thread, threading._DummyThread)
+
+
+def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch._check_raw_step(optimizer)
