@@ -566,7 +566,7 @@ MUTATIONS = (
         FABRIC_RECIPE,
         "        self._optimizer_wrappers = weakref.WeakSet()\n\n    def training_iteration_start",
         "\n    def training_iteration_start",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "case_8"),
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "reused_by_a_second_trainer"),
     ),
     Mutation(
         "clip-after-step-changes-nothing",
@@ -575,7 +575,7 @@ MUTATIONS = (
         FABRIC_RECIPE,
         "        return record.stepped_gradient() is _first_gradient(optimizer)\n",
         "        return False\n",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "case_1"),
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "clip_after_the_step"),
     ),
     Mutation(
         "owed-update-waits-for-gradients-of-this-cycle",
@@ -584,7 +584,7 @@ MUTATIONS = (
         FABRIC_RECIPE,
         "            if _has_gradients(optimizer):\n                return True\n        return False\n",
         "            pass\n        return False\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "case_9 or case_13"),
+        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "own_backward or waits_for_its_step or clip_without_a_step"),
     ),
     Mutation(
         "skip-decided-on-the-host",

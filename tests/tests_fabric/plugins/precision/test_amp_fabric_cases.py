@@ -1,5 +1,5 @@
-"""Fabric loops of issue 27 that the differential cells did not have, each against PyTorch's recipe written by hand
-with torch's own ``GradScaler``: weights and gradients bitwise, and the scale. Each test names its case."""
+"""Fabric loops that the differential cells did not have, each against PyTorch's recipe written by hand with torch's
+own ``GradScaler``: weights and gradients bitwise, and the scale."""
 
 import copy
 
@@ -60,7 +60,7 @@ class _Both:
                     assert torch.equal(p.grad, q.grad)
 
 
-def test_case_6_clip_after_the_step_changes_nothing_and_updates_once():
+def test_clip_after_the_step_changes_nothing_and_updates_once():
     both = _Both(1)
     for _ in range(8):
         both.opts[0].zero_grad()
@@ -77,8 +77,8 @@ def test_case_6_clip_after_the_step_changes_nothing_and_updates_once():
     assert both.recipe.updates == 8
 
 
-def test_case_9_each_model_clipped_after_its_own_backward_then_both_step():
-    """Case 9: ``fabric.backward`` then ``fabric.clip_gradients`` for each of two models, then both optimizers step:
+def test_each_model_clipped_after_its_own_backward_then_both_step():
+    """``fabric.backward`` then ``fabric.clip_gradients`` for each of two models, then both optimizers step:
     the recipe (torch unscales each once, the update after both steps), no error."""
     both = _Both(2)
     for _ in range(4):
@@ -98,8 +98,8 @@ def test_case_9_each_model_clipped_after_its_own_backward_then_both_step():
         assert both.fabric.strategy.precision.scaler.get_scale() == both.scaler.get_scale()
 
 
-def test_case_13_a_backward_onto_an_optimizer_that_has_not_stepped_waits_for_its_step():
-    """Case 13, silent: ``backward`` reaching A and B, ``A.step()``, ``backward`` reaching B again, ``B.step()``: B's
+def test_a_backward_onto_an_optimizer_that_has_not_stepped_waits_for_its_step():
+    """``backward`` reaching A and B, ``A.step()``, ``backward`` reaching B again, ``B.step()``: B's
     accumulated gradients carry one scale; the update follows B's step."""
     both = _Both(2)
     both.backward(0, 1)
@@ -113,8 +113,8 @@ def test_case_13_a_backward_onto_an_optimizer_that_has_not_stepped_waits_for_its
     assert both.fabric.strategy.precision.scaler.get_scale() == both.scaler.get_scale()
 
 
-def test_case_13_a_clip_without_a_step_does_not_update_before_the_next_backward():
-    """Case 13, loud: ``backward(model 1)``, ``clip_gradients(opt 1)``, ``backward(model 0)``, ``opt 1.step()``,
+def test_a_clip_without_a_step_does_not_update_before_the_next_backward():
+    """``backward(model 1)``, ``clip_gradients(opt 1)``, ``backward(model 0)``, ``opt 1.step()``,
     ``opt 0.step()``: legal in torch, no error, the recipe's weights."""
     both = _Both(2)
     both.backward(1)
@@ -128,3 +128,48 @@ def test_case_13_a_clip_without_a_step_does_not_update_before_the_next_backward(
     both.scaler.update()
     both.assert_same()
     assert both.fabric.strategy.precision.scaler.get_scale() == both.scaler.get_scale()
+
+
+class _Sparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embedding(idx).float().pow(2).mean()
+
+
+def test_sparse_gradients_unscaled_then_a_backward_that_does_not_reach_them():
+    """``nn.Embedding(sparse=True)``: unscale A, a backward that does not reach A, then both step.
+    Legal in torch; nothing reads the values of A's sparse gradients (``ne`` has no sparse kernel)."""
+    idx = torch.tensor([1, 2, 3])
+    sparse, dense = _Sparse(), _nets(1)[0]
+    twins = copy.deepcopy([sparse, dense])
+    fabric = make_fabric("16-mixed", scaler=new_scaler())
+    (sparse_model, sparse_opt), (dense_model, dense_opt) = (
+        fabric.setup(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (sparse, dense)
+    )
+    twin_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in twins]
+    scaler = new_scaler()
+    for _ in range(3):
+        for opt in (sparse_opt, dense_opt, *twin_opts):
+            opt.zero_grad()
+        fabric.backward(sparse_model(idx))
+        fabric.strategy.precision.scaler.unscale_(sparse_opt)  # A, as in torch's recipe (before reading its grads)
+        with fabric.autocast():
+            loss = _loss(dense_model)
+        fabric.backward(loss)
+        sparse_opt.step()
+        dense_opt.step()
+        scaler.scale(twins[0](idx)).backward()
+        scaler.unscale_(twin_opts[0])
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(twins[1])
+        scaler.scale(loss).backward()
+        for opt in twin_opts:
+            scaler.step(opt)
+        scaler.update()
+    for model, twin in zip((sparse, dense), twins):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert fabric.strategy.precision.scaler.get_scale() == scaler.get_scale()

@@ -795,9 +795,12 @@ def test_an_unscale_without_gradients_leaves_no_state_behind():
                 recipe.scale(_loss(net)).backward()
             scaler.scale(_loss(twin)).backward()
         elif iteration == "surgery":
-            for params, scaled in ((net, recipe.scale(_loss(net))), (twin, scaler.scale(_loss(twin)))):
+            # as the docs say: `torch.autograd.grad` of the loss scaled by the plugin's scaler itself
+            for params, scaled in ((net, recipe.scaler.scale(_loss(net))), (twin, scaler.scale(_loss(twin)))):
                 for p, g in zip(params.parameters(), torch.autograd.grad(scaled, list(params.parameters()))):
                     p.grad = g
+        if iteration == "clip only":
+            recipe.scale(torch.ones(()))  # another network's loss: a backward since the step, so clipping unscales
         recipe.unscale(opt)  # clipping
         if iteration != "clip only":
             recipe.step(opt)
@@ -934,7 +937,7 @@ class _Twins:
         if not self._has_grads(i):
             return  # torch: without gradients unscale_ leaves a state no update clears
         self.recipe.unscale(self.opts[i])  # idempotent: a second clip in a cycle does not unscale again
-        if i in self.unreached:  # clipping after the step (issue 27 case 1): true gradients, nothing to unscale
+        if i in self.unreached:  # clipping after the step: true gradients, nothing to unscale
             for nets in (self.nets, self.twins):
                 torch.nn.utils.clip_grad_norm_(nets[i].parameters(), 0.05)
             return

@@ -319,7 +319,7 @@ def test_step_scheduler_follows_the_recipe(mode, optimizer, scheduler):
     ``if not opt.step_was_skipped: scheduler.step()``. Both equal the recipe bitwise: LR, scale, parameters.
 
     Except a fused optimizer in automatic optimization: its skip is decided in its kernel, and the Trainer asks without a
-    device read (issue 27 case 4), so the scheduler advances on every step, as in stock."""
+    device read, so the scheduler advances on every step, as in stock."""
     module = module_class("lightning")(optimizer, scheduler, automatic=mode == "automatic")
     trainer, record = fit("lightning", module)
     recipe = cached_recipe(optimizer, scheduler)

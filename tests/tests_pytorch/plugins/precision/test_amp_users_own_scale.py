@@ -123,7 +123,7 @@ def _recipe_by_hand(model: "HandWrittenRecipe", scaler: GradScaler) -> nn.Module
 
 
 def test_one_scaler_for_two_plugins_trains_the_recipe_by_hand():
-    """Issue 27 case 5: one ``GradScaler`` passed to two ``MixedPrecision`` plugins (two Trainers built up front); the
+    """One ``GradScaler`` passed to two ``MixedPrecision`` plugins (two Trainers built up front); the
     first runs PyTorch's recipe by hand. No error, and the weights are the recipe's, as in stock."""
     scaler = _users_scaler()
     state = copy.deepcopy(scaler.__dict__)
@@ -176,7 +176,7 @@ class PlainAfterManual(HandWrittenRecipe):
 @pytest.mark.parametrize("users", [False, True], ids=["lightnings-scaler", "users-scaler"])
 def test_no_backward_through_the_scaler_raises_by_default_naming_manual_backward(users):
     """The free check: a step before the scaler scaled any loss (stock: torch's bare ``AssertionError``). The message
-    leads with what to call (issue 29 item 7)."""
+    leads with what to call."""
     with pytest.raises(RuntimeError, match=r"^Call `self.manual_backward\(loss\)` instead of `loss.backward\(\)`"):
         _fit(HandWrittenRecipe(scaled=False), _users_scaler() if users else "lightning")
 
