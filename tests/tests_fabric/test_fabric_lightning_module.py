@@ -18,10 +18,11 @@ sides).
 
 Two things about Fabric shape the tests (both are stock Fabric 2.6.6 behaviour, not the fork's):
 
-* Stock Fabric routes a LightningModule's step methods through ``forward`` (autocast, input conversion) only when a
-  strategy wraps the module (DDP, FSDP); on one device ``model.training_step(...)`` ran without autocast. The fork
-  (patch fabric-step-methods-under-precision) routes them on one device too, so calling it plainly, inside
-  ``fabric.autocast()`` or through the forward route (see :data:`ROUTES`) all train like the Trainer.
+* Stock Fabric routes a LightningModule's step methods through ``forward`` (autocast, input conversion, outputs back
+  to float32) only when a strategy wraps the module (DDP, FSDP); on one device ``model.training_step(...)`` ran without
+  autocast. The fork (patch fabric-step-methods-under-precision) routes them through ``forward`` on one device too, so
+  calling it plainly, inside ``fabric.autocast()`` or through the forward route (see :data:`ROUTES`) all train like
+  the Trainer.
 * Through ``forward``, Fabric casts every floating-point argument to the autocast dtype, the targets too; the Trainer
   does not. The batches are therefore on a dyadic grid (multiples of 1/64 in [-2, 2)), which fp16 and bf16 represent
   exactly, so that cast changes nothing (:func:`test_why_the_batches_are_dyadic`).
@@ -291,7 +292,7 @@ def test_the_comparison_is_sharp():
 def test_why_the_batches_are_dyadic():
     """Through ``forward`` Fabric casts the targets to the autocast dtype, the Trainer does not: with targets that fp16
     cannot represent the runs differ (by a few units of fp16's resolution in the weights), with dyadic ones they are
-    bitwise equal (above)."""
+    bitwise equal (above). On one device every route of ``training_step`` goes through ``forward``, as under DDP."""
     cell = Cell("16-mixed", "AdamW", False, "none")
     under_fabric = fabric_run(cell, automatic=True, route="forward", dyadic=False)
     under_trainer = trainer_run(cell, automatic=True, dyadic=False)
@@ -300,9 +301,9 @@ def test_why_the_batches_are_dyadic():
     differ = params_differ(under_fabric.params, under_trainer.params)
     assert differ
     assert max(differ.values()) < 1e-3
-    # without the forward route's cast, arbitrary targets are fine
+    # on one device `model.training_step` takes the same route through `forward`, inside `fabric.autocast()` too
     under_autocast = fabric_run(cell, automatic=True, route="autocast", dyadic=False)
-    assert not params_differ(under_autocast.params, under_trainer.params)
+    assert not params_differ(under_autocast.params, under_fabric.params)
 
 
 def test_a_method_the_module_lacks_still_raises():
