@@ -72,7 +72,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cache-off-in-manual-optimization",
-        "the cache stays off in manual optimization, where weights may change in place between forwards (issue 12.2.9)",
+        "the cache stays off in manual optimization, where weights may change in place between forwards",
         "pytorch/plugins/precision/amp.py",
         "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE and not manual",
         "self.cache_enabled = _AUTOCAST_CACHE_IS_SAFE",
@@ -104,7 +104,7 @@ MUTATIONS = (
     ),
     Mutation(
         "update-after-unscale-without-step",
-        "an iteration that unscaled but did not step still updates, so the scale backs off (issue 12.2.3)",
+        "an iteration that unscaled but did not step still updates, so the scale backs off",
         FABRIC_RECIPE,
         "        if self._torch.has_inf_checks():\n            for optimizer in self._candidates():\n",
         "        if self._skips._pending:\n            for optimizer in self._candidates():\n",
@@ -112,7 +112,7 @@ MUTATIONS = (
     ),
     Mutation(
         "checkpoint-mid-iteration",
-        "a checkpoint saved mid-iteration leaves the live run alone (issue 12.2.1)",
+        "a checkpoint saved mid-iteration leaves the live run alone",
         FABRIC_RECIPE,
         "            include_owed_update = self.phase is IterationPhase.OUTSIDE\n",
         "            include_owed_update = True\n",
@@ -121,7 +121,7 @@ MUTATIONS = (
     Mutation(
         "refuse-mixed-scales",
         "gradients unscaled without a step and then reached by a scaled backward are refused at the step and at"
-        " clipping (the accumulation pitfall, issue 12.2.5)",
+        " clipping (the accumulation pitfall)",
         FABRIC_RECIPE,
         "            if record.mixed_scales:\n                raise _mixed_scales_error(optimizer)\n",
         "            if False:\n                raise _mixed_scales_error(optimizer)\n",
@@ -130,7 +130,7 @@ MUTATIONS = (
     Mutation(
         "watch-unscaled-during-backward",
         "a scaled backward that reaches an optimizer's unscaled, not yet stepped gradients flags them; one that does"
-        " not reach them leaves them to step (issue 21.6)",
+        " not reach them leaves them to step",
         FABRIC_RECIPE,
         "    cleared = not _holds_live_gradients(optimizer)\n",
         "    cleared = True\n",
@@ -162,7 +162,7 @@ MUTATIONS = (
     ),
     Mutation(
         "disabled-scaler-refused",
-        "a scaler torch disabled is refused before training (issue 12.2.8)",
+        "a scaler torch disabled is refused before training",
         FABRIC_RECIPE,
         "    if scaler is None or scaler.is_enabled():\n        return\n",
         "    return\n",
@@ -170,7 +170,7 @@ MUTATIONS = (
     ),
     Mutation(
         "zero-dim-inf-checks",
-        "fused optimizers get 0-dim inf checks from `ShardedGradScaler` (FSDP + fused, issue 12.2.10)",
+        "fused optimizers get 0-dim inf checks from `ShardedGradScaler` (FSDP + fused)",
         FABRIC_RECIPE,
         "            self._torch.zero_dim_inf_checks(optimizer)\n",
         "            pass\n",
@@ -186,7 +186,7 @@ MUTATIONS = (
     ),
     Mutation(
         "no-step-without-gradients",
-        "a step with no gradients is a plain step, not torch's bare AssertionError (issue 12.2.12)",
+        "a step with no gradients is a plain step, not torch's bare AssertionError",
         FABRIC_RECIPE,
         "        if not unscales_itself and not self._torch.has_inf_check(optimizer):\n",
         "        if False:\n",
@@ -210,7 +210,7 @@ MUTATIONS = (
     ),
     Mutation(
         "update-when-an-iteration-opens",
-        "an update owed by a step outside an iteration is applied when the next one opens (issue 12.2.2)",
+        "an update owed by a step outside an iteration is applied when the next one opens",
         FABRIC_RECIPE,
         "        self._settle()\n        self.phase = IterationPhase.INSIDE\n",
         "        self.phase = IterationPhase.INSIDE\n",
@@ -240,7 +240,7 @@ MUTATIONS = (
     ),
     Mutation(
         "dtype-mismatch-advice",
-        "the autocast cache's dtype mismatch gets the `cache_enabled=False` advice (issue 12.2.13)",
+        "the autocast cache's dtype mismatch gets the `cache_enabled=False` advice",
         "pytorch/plugins/precision/amp.py",
         "                if self.cache_enabled and _is_autocast_cache_dtype_mismatch(err):\n",
         "                if False:\n",
@@ -248,7 +248,7 @@ MUTATIONS = (
     ),
     Mutation(
         "loss-scale-monitor-per-optimizer-step",
-        "`LossScaleMonitor` logs once per optimizer step under gradient accumulation (issue 12.2.11)",
+        "`LossScaleMonitor` logs once per optimizer step under gradient accumulation",
         "pytorch/callbacks/loss_scale_monitor.py",
         "        if epoch_loop._should_accumulate():\n            return  #",
         "        if False:\n            return  #",
@@ -314,7 +314,7 @@ MUTATIONS = (
     Mutation(
         "watch-window",
         "the watch for backwards without the scale switches itself off after its first updates: no cost per step"
-        " afterwards (issue 21, design)",
+        " afterwards",
         FABRIC_RECIPE,
         "            if watch is not None and self._updates >= watch.ends_at_update and not watch.accumulations:\n"
         "                self.unwatch()\n",
@@ -332,7 +332,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cleared-unscaled-keeps-its-inf-check",
-        "an optimizer unscaled and cleared stays unscaled, with its inf check, until a backward reaches it (issue 21.15)",
+        "an optimizer unscaled and cleared stays unscaled, with its inf check, until a backward reaches it",
         FABRIC_RECIPE,
         "            self._watch_unscaled(optimizer)\n",
         "            if _holds_live_gradients(optimizer):\n                self._watch_unscaled(optimizer)\n"
@@ -342,7 +342,7 @@ MUTATIONS = (
     Mutation(
         "refusal-before-any-transition",
         "a scaled backward refused for gradients without the scale is refused before any optimizer changes stage"
-        " (issue 21.16)",
+        "",
         FABRIC_RECIPE,
         '            self._watch.refuse("the next scaled backward")\n',
         "            pass\n",
@@ -351,7 +351,7 @@ MUTATIONS = (
     Mutation(
         "closures-refused-under-the-scaler",
         "`opt.step(closure)` under an enabled scaler raises as torch does, instead of stepping on scaled gradients"
-        " (issue 21.1)",
+        "",
         FABRIC_RECIPE,
         '        if kwargs.get("closure") is not None:\n',
         "        if False:\n",
@@ -360,7 +360,7 @@ MUTATIONS = (
     Mutation(
         "every-step-unscales",
         "every step goes through the scaler's `unscale_`, whatever the gradients hold (FSDP's all-reduces pair,"
-        " issue 21.4; the skip of a step whose clip found an inf, issue 21.15)",
+        " the skip of a step whose clip found an inf)",
         FABRIC_RECIPE,
         "        if stage is OptState.READY and self._torch.has_scaled() and not unscales_itself:\n",
         "        if False:\n",
@@ -368,7 +368,7 @@ MUTATIONS = (
     ),
     Mutation(
         "zeroed-gradients-of-an-earlier-iteration-step",
-        "gradients unscaled in an earlier iteration and zeroed since step as torch steps them (issue 21.14)",
+        "gradients unscaled in an earlier iteration and zeroed since step as torch steps them",
         FABRIC_RECIPE,
         "            if not _holds_live_gradients(optimizer):\n                # zeroed since",
         "            if False:\n                # zeroed since",
@@ -377,7 +377,7 @@ MUTATIONS = (
     Mutation(
         "state-dict-is-pure",
         "the scaler's state for a checkpoint holds the owed update without applying it: a save changes nothing"
-        " (issue 21.8)",
+        "",
         FABRIC_RECIPE,
         "            self._torch.project_owed_update(state)\n",
         "            self._settle()\n            state = self.scaler.state_dict()\n",
@@ -386,7 +386,7 @@ MUTATIONS = (
     Mutation(
         "fabric-save-bare-scaler",
         "a bare `GradScaler` in `fabric.save`'s state is saved as the plugin's state, the owed update included"
-        " (issue 21.8)",
+        "",
         "fabric/fabric.py",
         "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in unwrapped_state.items()}\n",
         "            pass\n",
@@ -394,7 +394,7 @@ MUTATIONS = (
     ),
     Mutation(
         "trainer-teardown-applies-the-owed-update",
-        "an update owed by a step in `on_train_epoch_end` is applied when training ends (issue 21.10)",
+        "an update owed by a step in `on_train_epoch_end` is applied when training ends",
         FABRIC_RECIPE,
         "            self._scaler_recipe.finish()\n",
         "",
@@ -402,7 +402,7 @@ MUTATIONS = (
     ),
     Mutation(
         "trainer-iteration-ends-on-exception",
-        "an exception leaving a training batch ends its iteration: the owed update is kept (issue 21.3)",
+        "an exception leaving a training batch ends its iteration: the owed update is kept",
         "pytorch/loops/training_epoch_loop.py",
         "                    finally:\n"
         "                        # an exception ends the iteration too: the update its steps owe is not lost\n"
@@ -413,7 +413,7 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-iteration-ends-on-exception",
-        "an exception raised in the body of `fabric.training_iteration()` ends the iteration (issue 21.2)",
+        "an exception raised in the body of `fabric.training_iteration()` ends the iteration",
         "fabric/fabric.py",
         "        finally:\n"
         "            # an exception raised in the body ends the iteration too: the update its steps owe is not lost\n"
@@ -424,7 +424,7 @@ MUTATIONS = (
     Mutation(
         "closure-run-by-the-user-steps",
         "automatic optimization: an `optimizer_step` override that runs the closure and then calls `optimizer.step()`"
-        " steps (issue 21.13)",
+        " steps",
         PYTORCH_RECIPE,
         "        steps = not (automatic and loss is None and closure is not do_nothing_closure)\n",
         "        steps = not (automatic and loss is None)\n",
@@ -433,7 +433,7 @@ MUTATIONS = (
     Mutation(
         "loss-scale-monitor-counts-this-run",
         "`LossScaleMonitor` counts the skips of its own run: not those of an earlier fit or `lr_find` of the same"
-        " Trainer (issue 21.11)",
+        " Trainer",
         "pytorch/callbacks/loss_scale_monitor.py",
         "        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())\n",
         "        self._skipped_before_run = 0\n",
@@ -442,7 +442,7 @@ MUTATIONS = (
     Mutation(
         "watch-goes-with-its-parameters",
         "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along"
-        " (issue 21.12)",
+        "",
         FABRIC_WATCH,
         "            if optimizer not in self._watched:\n",
         "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
@@ -466,7 +466,7 @@ MUTATIONS = (
     ),
     Mutation(
         "skip-signal-without-sync",
-        "a step whose own `step()` ran was not skipped: telling so reads nothing from the device (issue 21, measure)",
+        "a step whose own `step()` ran was not skipped: telling so reads nothing from the device",
         FABRIC_RECIPE,
         "        if ran and not in_kernel:\n            self._last[optimizer] = False  # not skipped, and nothing to count\n",
         "        if False:\n            self._last[optimizer] = False  # not skipped, and nothing to count\n",
@@ -500,7 +500,7 @@ MUTATIONS = (
     Mutation(
         "unscaled-out-of-reach-steps",
         "an optimizer unscaled and not yet stepped may wait while a backward that does not reach it runs (a GAN that"
-        " clips each network after its own backward, issue 21.6)",
+        " clips each network after its own backward)",
         FABRIC_RECIPE,
         "            self._watch_unscaled(optimizer)\n",
         '            raise RuntimeError("unscaled but did not step")\n',
@@ -517,7 +517,7 @@ MUTATIONS = (
     Mutation(
         "watch-per-thread",
         "the misuse watch counts scaled backwards by the Python thread that runs them: a backward without the scale in"
-        " another thread of the same run is seen (issue 21, the watch)",
+        " another thread of the same run is seen",
         FABRIC_WATCH,
         "        return threading.get_ident() in self._in_flight_per_thread\n",
         "        return self._in_flight > 0\n",
@@ -526,7 +526,7 @@ MUTATIONS = (
     Mutation(
         "watch-engine-thread-scaled-backward",
         "while a scaled backward runs on an engine thread (a CUDA loss's node), every hook goes by the run's count: no"
-        " false error for the CPU parameters of that backward (issue 21, the watch)",
+        " false error for the CPU parameters of that backward",
         FABRIC_WATCH,
         "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
         "        if _on_an_engine_thread():\n",
@@ -535,7 +535,7 @@ MUTATIONS = (
     Mutation(
         "watch-engine-thread-hook",
         "a hook on an engine thread (CUDA's device threads) goes by the run's count: no false error for a scaled"
-        " backward's CUDA parameters (issue 21, the watch)",
+        " backward's CUDA parameters",
         FABRIC_WATCH,
         "        if self._in_flight_on_engine_threads or _on_an_engine_thread():\n",
         "        if self._in_flight_on_engine_threads:\n",
@@ -553,7 +553,7 @@ MUTATIONS = (
     Mutation(
         "watch-is-opt-in",
         "the misuse watch runs only when the plugin is asked to (`watch_misuse=True`): the default path puts no hook on"
-        " the parameters (issue 27)",
+        " the parameters",
         PYTORCH_RECIPE,
         "        if manual and self.scaler is not None and self.watch_misuse:\n",
         "        if manual and self.scaler is not None:\n",
@@ -562,7 +562,7 @@ MUTATIONS = (
     Mutation(
         "fit-forgets-its-optimizers",
         "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
-        " optimizer's step (issue 27 case 8)",
+        " optimizer's step",
         FABRIC_RECIPE,
         "        self._optimizer_wrappers = weakref.WeakSet()\n\n    def training_iteration_start",
         "\n    def training_iteration_start",
@@ -571,7 +571,7 @@ MUTATIONS = (
     Mutation(
         "clip-after-step-changes-nothing",
         "a clip or unscale of an optimizer that stepped, with no backward since, changes nothing: no second unscale, no"
-        " second update (issue 27 cases 1, 6)",
+        " second update",
         FABRIC_RECIPE,
         "        return record.stepped_gradient() is _first_gradient(optimizer)\n",
         "        return False\n",
@@ -580,7 +580,7 @@ MUTATIONS = (
     Mutation(
         "owed-update-waits-for-gradients-of-this-cycle",
         "Fabric's owed update waits while an optimizer that has not stepped holds gradients of this cycle: they never"
-        " meet a second scale (issue 27 cases 9, 13)",
+        " meet a second scale",
         FABRIC_RECIPE,
         "            if _has_gradients(optimizer):\n                return True\n        return False\n",
         "            pass\n        return False\n",
@@ -588,7 +588,7 @@ MUTATIONS = (
     ),
     Mutation(
         "skip-decided-on-the-host",
-        "a non-fused step that did not run was skipped: telling so reads nothing from the device (issue 27 case 4)",
+        "a non-fused step that did not run was skipped: telling so reads nothing from the device",
         FABRIC_RECIPE,
         "        self._last[optimizer] = found_inf if in_kernel else True\n",
         "        self._last[optimizer] = found_inf\n",
