@@ -296,16 +296,24 @@ MUTATIONS = (
     ),
     Mutation(
         "fabric-step-methods-in-precision",
-        "a LightningModule's step methods run under the precision's autocast on one device (patch 0006)",
+        "a LightningModule's step methods go through `forward` (under the precision's autocast) on one device too",
         "fabric/wrappers.py",
-        "                return self._in_forward_context(getattr(original_module, item))\n",
-        "                return getattr(original_module, item)\n",
+        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
+        "            and self._forward_module != self._original_module\n",
         ("tests/tests_fabric/test_fabric_lightning_module.py",),
+    ),
+    Mutation(
+        "fabric-step-methods-keep-hasattr",
+        "on one device only the step methods the module has are redirected: `hasattr` stays as on stock for the others",
+        "fabric/wrappers.py",
+        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
+        "            and (self._forward_module != self._original_module or True)\n",
+        ("tests/tests_fabric/test_fabric_lightning_module.py", "-k", "lacks_still_raises"),
     ),
     Mutation(
         "update-after-the-last-optimizer-steps",
         "once every optimizer of the run has stepped, the update follows at once: the scale read after the step shows"
-        " a skip, and a second step cycle of one optimizer unscales afresh (issues 21.9, 21.5)",
+        " a skip, and a second step cycle of one optimizer unscales afresh",
         FABRIC_RECIPE,
         "        if any(o is optimizer for o in optimizers) and all(self.stage(o) is OptState.STEPPED for o in optimizers):\n",
         "        if False:\n",
