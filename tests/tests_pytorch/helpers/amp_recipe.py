@@ -656,8 +656,9 @@ def recipe_multi_step(rc: RecipeRun, opts: list, inner_steps: int = 2) -> None:
 
 
 def recipe_gan(rc: RecipeRun, opts: list) -> None:
-    # D step, then G's loss through the updated D, G step, one update: both losses scaled with the same scale.
-    # Under 16-mixed an inf goes into D's loss of one batch and into G's loss of another: either backs the scale off.
+    # D step, then G's loss through the updated D, G step; the update D's step owes comes before G's backward (nothing
+    # else waits for it), the one G's step owes at the batch's end. Under 16-mixed an inf goes into D's loss of one
+    # batch and into G's loss of another: either backs the scale off.
     opt_d, opt_g = opts
     net = rc.net
     for i, (real, noise) in rc.batches():
@@ -671,6 +672,7 @@ def recipe_gan(rc: RecipeRun, opts: list) -> None:
         rc.scaler.scale(loss_d).backward()
         rc.scaler.step(opt_d)
         rc.save_point(i, opts)
+        rc.scaler.update()
         opt_d.zero_grad()
         with rc.autocast():
             loss_g = rc.inject_late(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)

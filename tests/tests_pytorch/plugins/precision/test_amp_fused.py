@@ -214,7 +214,8 @@ def test_the_comparison_catches_a_double_unscale(double_unscale, optimizer):
 
 
 SELF_UNSCALING_ERROR = (
-    r"The optimizer SelfUnscalingSGD unscales gradients inside its own `step\(\)` \(it takes a `grad_scaler` argument\)"
+    r"^Use an optimizer that follows torch's `grad_scale`/`found_inf` protocol .* or do not clip gradients with"
+    r" SelfUnscalingSGD: it unscales gradients inside its own `step\(\)` \(it takes a `grad_scaler` argument\)"
     r".*cannot be clipped"
 )
 

@@ -540,7 +540,6 @@ STOCK_FAILURES = {
     # scaler.update() after every optimizer step: the second optimizer is unscaled with a scale that did not scale its
     # gradients, and the scale moves twice per batch
     **{f"manual:two_optimizers:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
-    **{f"manual:gan:16-mixed:{opt}": _TRAJECTORY for opt in OPTIMIZERS},
     # the user's scaler.unscale_(lightning_optimizer) is keyed by the wrapper; the step unscales the raw optimizer again
     **{f"manual:user_unscale_lightning_optimizer:16-mixed:{opt}": _DIFFERS for opt in OPTIMIZERS},
     # ... and with the raw optimizer, the step's own unscale_ raises

@@ -36,11 +36,12 @@ from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning.fabric.plugins.precision.amp_recipe import _holds_live_gradients, _is_live, _RunAPI
+from lightning.fabric.plugins.precision.amp_recipe import _RunAPI
 
 #: how many scaler updates the watch stays on once armed (each fit, each `fabric.setup`): a loop's misuse shows in its
 #: first iterations, and afterwards the watch costs nothing per step
@@ -169,6 +170,19 @@ class _UnscaledBackwardWatch:
                 " raw optimizer, whose gradients are still multiplied by the loss scale, so the scaler neither unscaled"
                 " them nor checked them for inf/NaN. The step was not taken."
             )
+
+
+def _is_live(grad: Optional[Tensor]) -> bool:
+    """Whether ``grad`` holds anything: ``zero_grad(set_to_none=False)`` leaves zeros, which are not live."""
+    return grad is not None and bool(grad.ne(0).any())
+
+
+def _holds_live_gradients(optimizer: Any) -> bool:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return False
+    # one device synchronisation for all of them; the watch is opt-in, as `detect_anomaly` is
+    return bool(torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any())
 
 
 def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:

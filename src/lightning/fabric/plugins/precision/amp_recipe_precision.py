@@ -11,20 +11,82 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The gradient scaler's part of Fabric's precision plugins that may scale the loss (``MixedPrecision``,
-``FSDPPrecision``): one implementation of PyTorch's AMP recipe, through
-:class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`."""
+"""The gradient scaler's part of the precision plugins that may scale the loss, in Fabric and in the Trainer: one
+implementation of PyTorch's AMP recipe, through :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
+"""
 
 from typing import Any, Optional
 
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning.fabric.plugins.precision.amp_recipe import _ScalerRecipeHolder
+from lightning.fabric.plugins.precision.amp_recipe import _FABRIC_API, GradScalerRecipe, _RunAPI
+from lightning.fabric.plugins.precision.amp_torch_scaler import _check_scaler_is_enabled
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
+
+
+class _ScalerRecipeHolder:
+    """What every precision plugin that may drive a gradient scaler holds, in the Trainer as in Fabric: the
+    :class:`GradScalerRecipe` of its ``scaler``, which knows the fit's optimizers and their wrappers
+    (``LightningOptimizer``, Fabric's optimizer wrapper) from :meth:`track_optimizer_wrapper`.
+
+    Subclasses set ``scaler`` and call :meth:`_init_amp_recipe` in ``__init__``.
+
+    """
+
+    scaler: Optional[Any]
+    #: what a step of LBFGS under the scaler raises: the type each package raised before
+    _lbfgs_error: type[Exception] = TypeError
+    #: what the user calls, for the errors
+    _run_api: _RunAPI = _FABRIC_API
+
+    def _init_amp_recipe(self) -> None:
+        self._scaler_recipe: Optional[GradScalerRecipe] = None
+        #: whether the opt-in misuse watch (`amp_misuse_watch`) runs: off by default, it puts a hook on every parameter
+        self.watch_misuse = False
+
+    def _check_scaler(self) -> None:
+        """Before training: refuse a scaler torch disabled (constructing the plugin on a machine without the scaler's
+        device is fine, training with it is not)."""
+        _check_scaler_is_enabled(self.scaler, f"`{type(self).__name__}`")
+
+    @property
+    def _recipe(self) -> GradScalerRecipe:
+        recipe = self._scaler_recipe
+        if recipe is None or recipe.scaler is not self.scaler:
+            recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
+        return recipe
+
+    def _refuse_lbfgs(self, optimizer: Any) -> None:
+        if isinstance(optimizer, LBFGS):
+            raise self._lbfgs_error(
+                "Use `precision='bf16-mixed'` or `'32-true'` with LBFGS: AMP with a gradient scaler and the LBFGS"
+                " optimizer are not compatible, since LBFGS evaluates its closure several times per step and reads the"
+                " gradients in between, which the scaler cannot unscale."
+            )
+
+    def _finish_amp_recipe(self) -> None:
+        """Training ends (the plugin's teardown): the owed update is applied, the watch goes, and this fit's optimizers
+        are forgotten (a second fit with this plugin has its own)."""
+        if self._scaler_recipe is not None:
+            self._scaler_recipe.end_fit()
+
+    def training_iteration_start(self) -> None:
+        """A loop opens a training iteration (the precision plugins' hook of both packages)."""
+        if self.scaler is not None:
+            self._recipe.iteration_start()
+
+    def training_iteration_end(self) -> None:
+        """A loop closes a training iteration, also when it raised: the owed update is applied."""
+        if self.scaler is not None:
+            self._recipe.iteration_end()
+
+    def track_optimizer_wrapper(self, wrapper: Any) -> None:
+        if self.scaler is not None:
+            self._recipe.track(wrapper.optimizer, wrapper)
 
 
 class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
@@ -32,13 +94,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through
     :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
 
-    Fabric's loop belongs to the user. The single ``scaler.update()`` of an iteration follows the step of the last
-    optimizer ``fabric.setup`` wrapped, so several optimizers fed by one backward are all unscaled with the scale that
-    scaled their gradients. Unless the user marks an iteration (``with fabric.training_iteration():``), none is open
-    (:attr:`IterationPhase.OUTSIDE`): an update still owed (an optimizer that did not step) is applied right before
-    the next ``fabric.backward()`` scales a loss. Inside a marked iteration it waits for the iteration's end. The
-    plugin's ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues with, the owed update
-    included, and changes nothing.
+    Fabric's loop belongs to the user. The ``scaler.update()`` a step owes follows the step of the last optimizer
+    ``fabric.setup`` wrapped, so several optimizers fed by one backward are all unscaled with the scale that scaled
+    their gradients; otherwise it is applied before the next ``fabric.backward()`` scales a loss, unless an optimizer
+    that has not stepped since holds gradients of this scale (they wait for their step). The plugin's ``state_dict``
+    (what ``fabric.save`` stores) holds the state the run continues with, the owed update included, and changes
+    nothing.
 
     A step or clipping before the scaler scaled any loss (``loss.backward()`` instead of ``fabric.backward(loss)``)
     raises. With ``watch_misuse=True`` the parameters of every optimizer ``fabric.setup`` wraps are watched too
@@ -54,9 +115,15 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().backward(tensor, model, *args, **kwargs)
         if self._scaler_recipe is None:  # the first backward: nothing has changed yet
             self._check_scaler()
-        tensor = self._recipe.scale(tensor, self._known_optimizers)
-        with self._recipe.backward():
+        recipe = self._recipe
+        tensor = recipe.scale(tensor)
+        if recipe.watch is None:
             super().backward(tensor, model, *args, **kwargs)
+        else:
+            with recipe.watch.scaled_backward():
+                super().backward(tensor, model, *args, **kwargs)
+        recipe.after_backward()
+        return None
 
     @override
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
@@ -77,12 +144,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().optimizer_step(optimizer, **kwargs)
         self._refuse_lbfgs(optimizer)
         # the scaler skips the step if the gradients hold inf/NaN
-        return self._recipe.step(optimizer, self._aliases(optimizer), **kwargs)  # type: ignore[arg-type]
+        return self._recipe.step(optimizer, **kwargs)  # type: ignore[arg-type]
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:
-            self._recipe.unscale(optimizer, self._aliases(optimizer))
+            self._recipe.unscale(optimizer)
 
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
@@ -94,7 +161,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}
-        # what the run continues with: Fabric's loop may save anywhere in an iteration, and the save changes nothing
+        # what the run continues with: Fabric's loop may save anywhere, and the save changes nothing
         return self._recipe.state_dict(include_owed_update=True)
 
     @override

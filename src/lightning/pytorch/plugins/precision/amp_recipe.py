@@ -23,7 +23,7 @@ update per training batch, the skip signal).
 """
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -34,7 +34,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API, _autocast_enabled, _ScalerRecipeHolder
+from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API
+from lightning.fabric.plugins.precision.amp_recipe_precision import _ScalerRecipeHolder
+from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_enabled
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -84,10 +86,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._finish_amp_recipe()
         super().teardown()
 
-    def _unwrap(self, optimizer: Any) -> tuple[Optimizer, tuple[Any, ...]]:
-        """The ``torch.optim`` optimizer and the ``LightningOptimizer`` wrappers a user may have unscaled it through."""
-        raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return raw, self._aliases(raw)
+    @staticmethod
+    def _unwrap(optimizer: Any) -> Optimizer:
+        return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
     @contextmanager
     def _outside_forward_context(self) -> Generator[None, None, None]:
@@ -102,14 +103,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         with torch.autocast(self._autocast_device, enabled=False):
             yield
 
-    @contextmanager
-    def _scaled_backward(self) -> Generator[None, None, None]:
-        if self.scaler is None:
-            yield
-            return
-        with self._recipe.backward():
-            yield
-
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
         with self.forward_context():
             return closure()
@@ -118,7 +111,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         with self._outside_forward_context():
             if self.scaler is not None:
-                tensor = self._recipe.scale(tensor, self._known_optimizers)
+                tensor = self._recipe.scale(tensor)
             return super().pre_backward(tensor, module)
 
     @override
@@ -130,8 +123,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        with self._outside_forward_context(), self._scaled_backward():
+        watch = None if self.scaler is None else self._recipe.watch
+        with self._outside_forward_context(), watch.scaled_backward() if watch is not None else nullcontext():
             super().backward(tensor, model, optimizer, *args, **kwargs)
+        if self.scaler is not None:
+            self._recipe.after_backward()
         if self.cache_enabled:
             # the graph that needed the cached casts is gone: free them now, as a run without the cache would
             torch.clear_autocast_cache()
@@ -164,20 +160,20 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         self._refuse_lbfgs(optimizer)
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
-        optimizer, wrappers = self._unwrap(optimizer)
+        optimizer = self._unwrap(optimizer)
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on;
         # an `optimizer_step` override that ran the closure itself and calls `optimizer.step()` without it does step
         steps = not (automatic and loss is None and closure is not do_nothing_closure)
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
-            self._recipe.unscale(optimizer, wrappers, required=False)
+            self._recipe.unscale(optimizer, required=False)
         self._after_closure(model, optimizer)
         if not steps:
             self._recipe.forget_last_step(optimizer)
             return loss
         # the scaler skips the step on inf/NaN gradients; its one update follows in `training_iteration_end`
-        return self._recipe.step(optimizer, wrappers, **kwargs)
+        return self._recipe.step(optimizer, **kwargs)
 
     @override
     def clip_gradients(
@@ -189,14 +185,14 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         with self._outside_forward_context():
             if clip_val > 0 and self.scaler is not None:
                 # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
-                self._recipe.unscale(*self._unwrap(optimizer))
+                self._recipe.unscale(self._unwrap(optimizer))
             return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
-        return self._recipe.step_was_skipped(self._unwrap(optimizer)[0], sync)
+        return self._recipe.step_was_skipped(self._unwrap(optimizer), sync)
 
     @override
     def state_dict(self) -> dict[str, Any]:

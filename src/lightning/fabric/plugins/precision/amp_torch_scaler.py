@@ -1,0 +1,190 @@
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""What the AMP recipe knows of torch: the one adapter that reads a gradient scaler's private state, and torch's
+protocols and quirks around it (fused optimizers, a disabled scaler, autocast's API across versions).
+
+Every fact used here is pinned by ``tests/tests_fabric/plugins/precision/test_torch_behaviour_pins.py`` on each torch
+the fork supports. Nothing here writes to a scaler.
+"""
+
+import functools
+import inspect
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Optimizer
+
+try:  # torch >= 2.3
+    from torch.amp.grad_scaler import OptState
+except ImportError:  # torch 2.1, 2.2: the scaler lived with CUDA's AMP
+    from torch.cuda.amp.grad_scaler import OptState
+
+__all__ = ["OptState"]
+
+# `GradScaler("cpu")` scales on the CPU from torch 2.3; before, a scaler is CUDA's and disables itself on a CPU run.
+_CPU_GRAD_SCALER_AVAILABLE = hasattr(torch.amp, "GradScaler")
+
+
+class _TorchScaler:
+    """Reads of a scaler's private per-optimizer state (``GradScaler._per_optimizer_states``), and nothing else.
+
+    torch keeps, per ``id(optimizer)`` since the last ``update()``, a ``"stage"`` (``OptState``: ``READY``,
+    ``UNSCALED``, ``STEPPED``) and ``"found_inf_per_device"`` (device -> inf check; empty for an ``unscale_`` that found
+    no gradient), and ``update()`` starts a fresh dict. The public API has no way to ask for either.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        # FSDP's `ShardedGradScaler` all-reduces its inf checks in `unscale_`: every rank must unscale every optimizer
+        self.sharded = hasattr(scaler, "process_group")
+
+    def stage(self, optimizer: Any) -> OptState:
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return OptState.READY if state is None else state["stage"]
+
+    def entries(self) -> bool:
+        """Whether anything was unscaled or stepped through the scaler since the last update (cheap)."""
+        return bool(getattr(self.scaler, "_per_optimizer_states", None))  # a disabled scaler has none
+
+    def recorded(self) -> bool:
+        """Whether an unscale (the recipe's or the user's) recorded an inf check since the last update."""
+        states = getattr(self.scaler, "_per_optimizer_states", {})
+        return any([bool(state["found_inf_per_device"]) for state in states.values()])
+
+    def found_inf(self, optimizer: Any) -> Optional[Tensor]:
+        """The inf check recorded for ``optimizer``, summed over devices, as a copy (``update()`` sums into the first
+        one in place); ``None`` if none was recorded."""
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        found_infs = [] if state is None else list(state["found_inf_per_device"].values())
+        if not found_infs:
+            return None
+        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone()).reshape(())
+
+    def has_scaled(self) -> bool:
+        """Whether the scaler scaled a loss yet (before, it has no scale to unscale with)."""
+        return self.scaler._scale is not None
+
+    def project_owed_update(self, state: dict[str, Any]) -> None:
+        """Put into ``state`` (the scaler's ``state_dict()``) the scale and growth tracker that the owed ``update()``
+        will leave, computed by torch's own kernel on copies: the live scaler is not touched."""
+        found_infs = [f for s in self.scaler._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
+        if not found_infs or not state:
+            return
+        device = found_infs[0].device
+        found_inf = sum(f.to(device).reshape(()) for f in found_infs[1:]) + found_infs[0].reshape(())
+        scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
+        growth_tracker = torch.full((), state["_growth_tracker"], dtype=torch.int32, device=device)
+        torch._amp_update_scale_(
+            scale,
+            growth_tracker,
+            found_inf.to(torch.float32),
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+        )
+        state["scale"], state["_growth_tracker"] = scale.item(), int(growth_tracker.item())
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` in the current thread."""
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: one API for every device type
+        return torch.is_autocast_enabled(device_type)
+    return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _has_gradients(optimizer: Any) -> bool:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
+
+
+def _handles_unscaling_itself(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` unscales by itself, ignoring whether ``GradScaler.unscale_`` already ran.
+
+    Built-in fused optimizers (``fused=True``) honour the scaler's state since torch 2.1: ``GradScaler.step`` passes
+    them ``grad_scale=None`` after ``unscale_``, so they can be unscaled like any other. Only the deprecated protocol of
+    a ``grad_scaler`` keyword in ``step()`` leaves the unscaling to the optimizer.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    step = getattr(type(optimizer), "step", None)
+    if step is None:  # `step` set on the instance
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    return _takes_grad_scaler(step)
+
+
+@functools.cache
+def _takes_grad_scaler(step: Any) -> bool:
+    # once per class's `step`: `inspect.signature` is too slow for every optimizer step
+    return "grad_scaler" in inspect.signature(step).parameters
+
+
+def _check_scaler_is_enabled(scaler: Any, owner: str) -> None:
+    """Refuse a scaler that torch disabled: float16 gradients would then underflow silently, unscaled."""
+    if scaler is None or scaler.is_enabled():
+        return
+    device = getattr(scaler, "_device", "cuda")
+    if not torch.cuda.is_available() and device == "cuda":
+        why = (
+            "it is a CUDA scaler (`GradScaler()` or `GradScaler('cuda')`) and CUDA is not available, so torch"
+            " disabled it"
+        )
+        if _CPU_GRAD_SCALER_AVAILABLE:
+            fix = "pass `scaler=torch.amp.GradScaler('cpu')` for a CPU run, or use `precision='bf16-mixed'`"
+        else:
+            fix = (
+                f"torch {torch.__version__} cannot scale gradients on a CPU (`torch.amp.GradScaler('cpu')` needs torch"
+                " >= 2.3): use `precision='bf16-mixed'` on a CPU, or upgrade torch"
+            )
+    else:
+        why = "it was created with `enabled=False`"
+        fix = "pass an enabled `GradScaler`, or use `precision='bf16-mixed'`, which needs no scaler"
+    raise ValueError(
+        f"{owner} got a disabled gradient scaler: {why}. With precision='16-mixed' and no loss scaling, float16"
+        f" gradients underflow to zero silently. To fix it, {fix}."
+    )
+
+
+def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
+    """Give fused SGD's momentum buffers a defined value before a step the scaler may skip.
+
+    ``SGD(fused=True)`` allocates its momentum buffers uninitialised on its first step and lets the kernel fill them;
+    when the scaler skips that step (inf/NaN, the usual start of fp16 training) they stay garbage and the weights blow
+    up on the next step. Zero buffers give exactly for-loop SGD's first step when ``dampening == 0``
+    (``0 * momentum + grad == grad``), so they are created here; with dampening they would not, so that raises.
+    """
+    if len(optimizer.state) >= sum(len(group["params"]) for group in optimizer.param_groups):
+        return  # every parameter has stepped (or was given its buffer here): nothing to scan
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        missing = [p for p in group["params"] if p.grad is not None and "momentum_buffer" not in optimizer.state[p]]
+        if not missing:
+            continue
+        if group["dampening"] != 0:
+            raise ValueError(
+                f"`SGD(fused=True, momentum={group['momentum']}, dampening={group['dampening']})` cannot be used with"
+                " a gradient scaler: when the scaler skips its first step (inf/NaN gradients, normal at the start of"
+                " fp16 training) torch leaves its momentum buffers uninitialised and the weights blow up. Use"
+                " `fused=False`, `dampening=0`, or `precision='bf16-mixed'`."
+            )
+        for p in missing:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _is_fused_sgd(optimizer: Any) -> bool:
+    return isinstance(optimizer, SGD) and bool(optimizer.defaults.get("fused"))
