@@ -248,11 +248,6 @@ def _generator_loss(generator: nn.Module, critic: nn.Module, batch: torch.Tensor
     return -critic(generator(batch)).float().mean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left: inside a Trainer batch the update waits for the batch's end (one update per batch); the design's rule"
-    " (b), an owed update applied before the next scaled backward, moves the corpus's interleaved GAN loops too",
-)
 def test_a_critic_stepped_several_times_gets_an_update_after_each_step():
     """torch's only legal loop for an optimizer stepped several times per batch is an update after each step;
     from a scale that overflows, the scale backs off after every step, not once per batch."""
@@ -265,7 +260,9 @@ def test_a_critic_stepped_several_times_gets_an_update_after_each_step():
     for batch in _batches(6):
         for opt, loss_fn in [(c_opt, _critic_loss)] * CriticLoop.N_CRITIC + [(g_opt, _generator_loss)]:
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
+            # manual optimization runs without autocast's weight cache: the twin too (a cached cast would sum the two
+            # critic calls' gradients in float16)
+            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
                 loss = loss_fn(generator, critic, batch)
             scaler.scale(loss).backward()
             scaler.step(opt)
