@@ -63,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from tests_fabric.helpers import amp_world as W  # noqa: E402  (the tests' tiny AMP world: constants, data, MLP)
 from tests_pytorch.helpers import amp_recipe as H  # noqa: E402  (the tests' recipe loops and Lightning side)
 from workloads import build_model  # noqa: E402  (the benchmark's MLP and many-small-layers models)
 
@@ -192,7 +193,7 @@ def make_scaler(device: str, **kwargs: Any) -> Any:
 
 def recipe_scaler(device: str) -> Any:
     """The tests' scaler settings on ``device``: power-of-two initial scale, growth after every clean step."""
-    return make_scaler(device, init_scale=H.INIT_SCALE, growth_interval=1)
+    return make_scaler(device, init_scale=W.INIT_SCALE, growth_interval=1)
 
 
 def recipe_after_forward(loss: torch.Tensor, optimizers: list, scaler: Optional[Any],
@@ -226,7 +227,7 @@ class DeviceRecipe(H.RecipeRun):
                  scaler: Optional[Any] = None) -> None:
         super().__init__(net.to(device), precision, autocast_cache=autocast_cache)
         self.device = device
-        enabled = H.uses_scaler(precision)
+        enabled = W.uses_scaler(precision)
         self.scaler = scaler if scaler is not None else (
             recipe_scaler(device) if enabled else make_scaler(device, enabled=False))
 
@@ -243,7 +244,7 @@ class DeviceRecipe(H.RecipeRun):
             before = [p.detach().clone() for p in params]
             yield batch_idx, (x.to(self.device), y.to(self.device))
             self.changed.append(any(not torch.equal(b, p) for b, p in zip(before, params)))
-            if H.uses_scaler(self.precision):
+            if W.uses_scaler(self.precision):
                 self.scales.append(self.scaler.get_scale())
 
     def result(self) -> H.RunResult:
@@ -439,12 +440,12 @@ def resume_rows(part: Part) -> None:
         class Resume(pl.LightningModule):
             def __init__(self) -> None:
                 super().__init__()
-                self.net = H.mlp()
+                self.net = W.mlp()
 
             def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
                 index = self.trainer.fit_loop.total_batch_idx  # data keyed by the global batch (restored on resume)
                 x, y = (t.to(self.device) for t in batch_for(index))
-                loss = H.mlp_loss(self.net, x, y)
+                loss = W.mlp_loss(self.net, x, y)
                 return loss * float("inf") if index in forced else loss
 
             def configure_optimizers(self) -> dict:
@@ -571,7 +572,7 @@ def fsdp_rows(part: Part) -> None:
             def configure_optimizers(self) -> list:
                 return optimizers(self.first, self.second)
 
-        scaler = ShardedGradScaler(device=device, init_scale=H.INIT_SCALE, growth_interval=1)
+        scaler = ShardedGradScaler(device=device, init_scale=W.INIT_SCALE, growth_interval=1)
         kwargs = trainer_kwargs(api, "32", device)
         kwargs.pop("precision")
         if device == "cuda":
@@ -637,7 +638,7 @@ def fsdp_rows(part: Part) -> None:
 
 def part_equivalence(part: Part) -> None:
     device, p16 = part.device, "16-mixed"
-    net = H.mlp()
+    net = W.mlp()
 
     def case(check: str, step: Callable, configure: Callable, loop: Callable, automatic: bool,
              **extra: Any) -> None:
@@ -657,7 +658,7 @@ def part_equivalence(part: Part) -> None:
     }
     for name, configure in fused_optimizers.items():
         case(f"automatic optimization, 16-mixed: {name} with gradient_clip_val (#15501)", H.auto_plain, configure,
-             H.recipe_clip("norm"), automatic=True, gradient_clip_val=H.CLIP_NORM)
+             H.recipe_clip("norm"), automatic=True, gradient_clip_val=W.CLIP_NORM)
 
     def skip_step(self: Any, batch: Any, batch_idx: int) -> None:
         H.manual_plain(self, batch, batch_idx)
@@ -669,7 +670,7 @@ def part_equivalence(part: Part) -> None:
     }
     for name, configure in skip_optimizers.items():
         with part.row(f"skip signal: opt.step_was_skipped after each manual {name} step, inf at batch "
-                      f"{H.INF_BATCH}") as row:
+                      f"{W.INF_BATCH}") as row:
             expected, recipe_error = attempt(lambda: run_recipe(H.recipe_plain, net, configure, p16, device, False))
             row["recipe"] = f"raises {recipe_error}" if recipe_error else "skipped where its weights did not change"
             want = None if expected is None else [not c for c in expected.changed]
@@ -969,7 +970,7 @@ def watch_fit(package: str, device: str, step: Callable, plugin_kwargs: dict, tr
               configure: Callable = lambda n: [H.make_optimizer("AdamW", H.trainable(n))]) -> H.RunResult:
     api = H.lightning_api(package)
     plugin = api.MixedPrecision("16-mixed", device, scaler=recipe_scaler(device), **plugin_kwargs)
-    module = api.RecipeModule(H.mlp(), configure, step, False, "16-mixed")
+    module = api.RecipeModule(W.mlp(), configure, step, False, "16-mixed")
     kwargs = trainer_kwargs(api, "32", device)
     kwargs.pop("precision")
     trainer = api.Trainer(plugins=[plugin], **kwargs, **trainer_extra)
@@ -983,8 +984,8 @@ def misuse_plain_backward(self: Any, batch: Any, batch_idx: int) -> None:
     opt = self.optimizers()
     x, y = batch
     opt.zero_grad()
-    self.manual_backward(H.mlp_loss(self.net, x, y))
-    H.mlp_loss(self.net, x, y).backward()
+    self.manual_backward(W.mlp_loss(self.net, x, y))
+    W.mlp_loss(self.net, x, y).backward()
     opt.step()
 
 
@@ -993,7 +994,7 @@ def misuse_raw_step(self: Any, batch: Any, batch_idx: int) -> None:
     opt = self.optimizers()
     x, y = batch
     opt.zero_grad()
-    self.manual_backward(H.mlp_loss(self.net, x, y))
+    self.manual_backward(W.mlp_loss(self.net, x, y))
     opt.optimizer.step()
 
 
@@ -1018,7 +1019,7 @@ def correct_two_backwards(self: Any, batch: Any, batch_idx: int) -> None:
     opt_a.zero_grad()
     opt_b.zero_grad()
     for xk, yk in H.chunks(x, y, 2):
-        self.manual_backward(H.mlp_loss(self.net, xk, yk))
+        self.manual_backward(W.mlp_loss(self.net, xk, yk))
     opt_a.step()
     opt_b.step()
 

@@ -1,4 +1,4 @@
-"""``make gpu-check`` where there is no GPU (issue 30): the one-line skip, the report writer, the parts' isolation and,
+"""``make gpu-check`` where there is no GPU: the one-line skip, the report writer, the parts' isolation and,
 as a dry run on the CPU with tiny sizes, the whole pipeline that the GPU runs (every part, every row's code)."""
 
 import importlib.util

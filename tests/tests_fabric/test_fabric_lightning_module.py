@@ -38,24 +38,26 @@ import torch.nn.functional as F
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tests_fabric.helpers.amp_fabric import (
+    PRECISIONS,
+    Cell,
+    Run,
+    assert_recipe_is_sharp,
+    assert_same_run,
+    make_fabric,
+    make_net,
+    make_optimizer,
+    recipe_run,
+)
+from tests_fabric.helpers.amp_world import (
     BATCH_SIZE,
     CLIP_NORM,
     IN_FEATURES,
     INF_BATCH,
     N_BATCHES,
     OUT_FEATURES,
-    PRECISIONS,
-    Cell,
-    Run,
-    assert_recipe_is_sharp,
-    assert_same_run,
     inject_inf,
-    make_fabric,
-    make_net,
-    make_optimizer,
     new_scaler,
     params_differ,
-    recipe_run,
     uses_scaler,
 )
 from tests_fabric.helpers.torch_features import autocast_enabled
@@ -124,7 +126,7 @@ class RecipeModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = inject_inf(F.mse_loss(self.net(x), y), batch_idx, self.cell)
+        loss = inject_inf(F.mse_loss(self.net(x), y), batch_idx, self.cell.inf_batches)
         if self.automatic_optimization:
             return loss
         opt = self.optimizers()

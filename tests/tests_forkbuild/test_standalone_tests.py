@@ -1,4 +1,4 @@
-"""The behaviour tests under the standalone import names (``python -m forkbuild standalone-tests``, issue 15).
+"""The behaviour tests under the standalone import names (``python -m forkbuild standalone-tests``).
 
 ``make test`` runs ``tests/tests_pytorch`` and ``tests/tests_fabric`` twice: as written (``lightning.pytorch``,
 ``lightning.fabric``) and as a renamed copy (``pytorch_lightning``, ``lightning_fabric``). These tests check the copy:

@@ -39,7 +39,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, optimizer
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    CLIP_VALUE,
+    INF_BATCH,
+    N_BATCHES,
+    assert_params_bitwise,
+    autocast_dtype,
+    changed_since,
+    inject_inf,
+    mlp,
+    named_params,
+    new_scaler,
+    optimizer_params,
+    snapshot,
+    uses_scaler,
+)
+from tests_fabric.helpers.amp_world import make_batches as world_batches
+from tests_fabric.helpers.torch_features import GradScaler, optimizer
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 OPTIMIZERS = ("AdamW", "Adam", "SGD-momentum")
@@ -47,27 +64,6 @@ CLIPS = ("none", "norm", "value")
 #: who unscales the gradients before clipping: Fabric (``clip_gradients``), Fabric twice (``clip_gradients`` called
 #: twice), or the user with ``scaler.unscale_`` on the Fabric-wrapped optimizer / on ``optimizer.optimizer``
 UNSCALERS = ("fabric", "clip-twice", "user-wrapper", "user-raw")
-
-N_BATCHES = 6
-BATCH_SIZE = 4
-IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
-
-#: initial loss scale: a power of two, small enough that this model never overflows fp16 by itself
-INIT_SCALE = 2.0**10
-#: the batch whose loss is multiplied by ``inf`` under 16-mixed (not the first: fused SGD's first step is special)
-INF_BATCH = 2
-CLIP_NORM = 0.05
-CLIP_VALUE = 0.004
-
-_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def uses_scaler(precision: str) -> bool:
-    return precision == "16-mixed"
-
-
-def new_scaler(init_scale: float = INIT_SCALE) -> GradScaler:
-    return cpu_grad_scaler(init_scale=init_scale, growth_interval=1)
 
 
 @dataclass(frozen=True)
@@ -112,22 +108,12 @@ class Cell:
 
 
 def make_net(seed: int = 7) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
-
-
-@functools.lru_cache(maxsize=1)
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(2025)
-    return (
-        torch.randn(N_BATCHES, BATCH_SIZE, IN_FEATURES, generator=gen),
-        torch.randn(N_BATCHES, BATCH_SIZE, OUT_FEATURES, generator=gen),
-    )
+    return mlp(seed)
 
 
 def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = _data()
-    return [(x[i].clone(), y[i].clone()) for i in range(N_BATCHES)]
+    """The shared batches (:data:`N_BATCHES` of them) with this module's seed."""
+    return world_batches(seed=2025)
 
 
 def make_optimizer(name: str, params: Any, fused: bool) -> torch.optim.Optimizer:
@@ -146,14 +132,6 @@ def make_optimizers(cell: Cell, net: nn.Sequential) -> list[torch.optim.Optimize
     if cell.two_optimizers:
         return [make_optimizer(cell.optimizer, net[i].parameters(), cell.fused) for i in (0, 2)]
     return [make_optimizer(cell.optimizer, net.parameters(), cell.fused)]
-
-
-def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-def inject_inf(loss: torch.Tensor, batch_idx: int, cell: Cell) -> torch.Tensor:
-    return loss * float("inf") if batch_idx in cell.inf_batches else loss
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -178,38 +156,13 @@ class Run:
     clip_seen: list[float] = field(default_factory=list)
 
 
-def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in params]
-
-
-def _changed(before: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
-    return any(not torch.equal(b, p) for b, p in zip(before, params))
-
-
-def _named_params(net: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in net.named_parameters()}
-
-
-def params_differ(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Max abs difference of every parameter that is not bitwise equal (empty: all bitwise equal)."""
-    assert actual.keys() == expected.keys()
-    differ = {}
-    for name, p in expected.items():
-        q = actual[name]
-        assert q.dtype == p.dtype, f"{name}: dtype {q.dtype} != {p.dtype}"
-        if not torch.equal(q, p):
-            differ[name] = (q - p).abs().max().item()
-    return differ
-
-
 def assert_same_run(actual: Run, expected: Run) -> None:
     """The Fabric run (``actual``) equals the recipe's (``expected``): scales, skips, parameters bitwise."""
     assert actual.scales == expected.scales, f"scale per batch: {actual.scales} != recipe {expected.scales}"
     assert actual.final_scale == expected.final_scale, f"final scale {actual.final_scale} != {expected.final_scale}"
     assert actual.changed == expected.changed, f"changed per batch: {actual.changed} != recipe {expected.changed}"
     assert actual.skipped == expected.skipped, f"skipped per batch: {actual.skipped} != recipe {expected.skipped}"
-    differ = params_differ(actual.params, expected.params)
-    assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
+    assert_params_bitwise(actual.params, expected.params)
     if actual.clip_seen:  # the total norms fabric.clip_gradients returned: the true (unscaled) gradients' norms
         assert len(actual.clip_seen) == len(expected.clip_seen)
         for a, e in zip(actual.clip_seen, expected.clip_seen):
@@ -270,31 +223,31 @@ def recipe_run(cell: Cell, batches: Optional[list[tuple[torch.Tensor, torch.Tens
     ``update`` do nothing), as the torch docs suggest for switching AMP off."""
     net = make_net()
     opts = make_optimizers(cell, net)
-    dtype = _DTYPES[cell.precision]
-    scaler = cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1, enabled=uses_scaler(cell.precision))
+    dtype = autocast_dtype(cell.precision)
+    scaler = new_scaler(enabled=uses_scaler(cell.precision))
     run = Run(params={}, scales=[] if scaler.is_enabled() else None, final_scale=None, skipped=[], changed=[])
     for batch_idx, (x, y) in enumerate(make_batches() if batches is None else batches):
         for opt in opts:
             opt.zero_grad()
         with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
             loss = F.mse_loss(net(x), y)
-        loss = inject_inf(loss, batch_idx, cell)
+        loss = inject_inf(loss, batch_idx, cell.inf_batches)
         scaler.scale(loss).backward()
         if scaler.is_enabled():
             run.scales.append(scaler.get_scale())
         changed = []
         for opt in opts:
             params = optimizer_params(opt)
-            before = _snapshot(params)
+            before = snapshot(params)
             if cell.clip != "none":
                 scaler.unscale_(opt)
                 _clip(cell, params, run.clip_seen)
             scaler.step(opt)
-            changed.append(_changed(before, params))
+            changed.append(changed_since(before, params))
         scaler.update()
         run.changed.append(tuple(changed))
         run.skipped.append(tuple(not c for c in changed))
-    run.params = _named_params(net)
+    run.params = named_params(net)
     run.final_scale = scaler.get_scale() if scaler.is_enabled() else None
     return run
 
@@ -385,14 +338,14 @@ class FabricLoop:
             for opt in self.opts:
                 opt.zero_grad()
             loss = F.mse_loss(self.model(x), y)
-            loss = inject_inf(loss, batch_idx, cell)
+            loss = inject_inf(loss, batch_idx, cell.inf_batches)
             fabric.backward(loss)
             if self.scaler is not None:
                 run.scales.append(self.scaler.get_scale())
             changed, skipped = [], []
             for opt in self.opts:
                 params = optimizer_params(opt)
-                before = _snapshot(params)
+                before = snapshot(params)
                 if cell.unscaler == "user-wrapper":
                     self.scaler.unscale_(opt)
                 elif cell.unscaler == "user-raw":
@@ -401,7 +354,7 @@ class FabricLoop:
                 if norm is not None:
                     run.clip_seen.append(norm)
                 opt.step()
-                changed.append(_changed(before, params))
+                changed.append(changed_since(before, params))
                 skipped.append(getattr(opt, "step_was_skipped", None))
             if cell.user_update:
                 self.scaler.update()
@@ -433,7 +386,7 @@ class FabricLoop:
         """The final parameters and the scale after the last iteration's update. The fork applies an iteration's
         update lazily (before the next ``fabric.backward()``); the plugin's ``state_dict()`` holds a pending one, as
         a save does, so it is what gives the scale after the last iteration."""
-        self.run.params = _named_params(self.model.module)
+        self.run.params = named_params(self.model.module)
         if self.scaler is not None:
             self.run.final_scale = float(self.precision_plugin.state_dict()["scale"])
         return self.run

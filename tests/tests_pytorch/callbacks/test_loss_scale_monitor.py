@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import GradScaler
+from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
 
 from lightning.fabric import connector as fabric_connector
 from lightning.pytorch import LightningModule, Trainer
@@ -26,18 +26,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     FORK,
-    N_BATCHES,
+    TRAINER_BATCHES,
     Positions,
     lightning_api,
     make_batches,
     make_trainer,
-    mlp,
-    mlp_loss,
     quiet_trainer,
 )
-from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
-INIT_SCALE = 2.0**4
 FORCED = (0, 3, 4)
 
 
@@ -45,10 +41,6 @@ FORCED = (0, 3, 4)
 def _quiet():
     with quiet_trainer():
         yield
-
-
-def new_scaler() -> GradScaler:
-    return _new_scaler(init_scale=INIT_SCALE)
 
 
 @functools.cache
@@ -60,13 +52,11 @@ def recipe(forced=FORCED, optimizers: int = 1) -> tuple[list[float], list[int]]:
     net = mlp()
     groups = [list(net.parameters())] if optimizers == 1 else [list(net[0].parameters()), list(net[2].parameters())]
     opts = [torch.optim.AdamW(params, lr=1e-2) for params in groups]
-    scaler = new_scaler()
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     scales, skipped, total = [], [], 0
     for i, (x, y) in enumerate(make_batches()):
         with torch.autocast("cpu", dtype=torch.float16, cache_enabled=AUTOCAST_CACHE):
-            loss = mlp_loss(net, x, y)
-            if i in forced:
-                loss = loss * float("inf")
+            loss = inject_inf(mlp_loss(net, x, y), i, forced)
         scaler.scale(loss).backward()
         for opt in opts:
             before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
@@ -90,9 +80,7 @@ class Model(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = make_batches()[batch_idx]
-        loss = mlp_loss(self.net, x, y)
-        if batch_idx in self.forced:
-            loss = loss * float("inf")
+        loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.forced)
         if self.automatic_optimization:
             return loss
         opts = self.optimizers()
@@ -135,7 +123,7 @@ class CaptureLogger(Logger):
 
 
 def trainer(precision: str = "16-mixed", **kwargs: Any) -> Trainer:
-    scaler = new_scaler() if precision == "16-mixed" else None
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE) if precision == "16-mixed" else None
     # Lightning's default logger unless a test passes one
     return make_trainer(lightning_api(FORK), precision, scaler=scaler, **{"logger": None, **kwargs})
 
@@ -161,7 +149,7 @@ def test_csv_logger_gets_the_recipes_scale_and_skip_count(tmp_path):
         rows = [row for row in csv.DictReader(f) if row.get("loss_scale")]
     logged = {int(row["step"]): (float(row["loss_scale"]), float(row["skipped_steps"])) for row in rows}
     # the logged step is the batch's, as for `self.log` in the training_step: 0..N-1 with log_every_n_steps=1
-    assert logged == expected_log(range(N_BATCHES))
+    assert logged == expected_log(range(TRAINER_BATCHES))
     scales, skipped = recipe()
     assert monitor.history == {"loss_scale": scales, "skipped_steps": [float(s) for s in skipped]}
     assert scales[:5] == [8.0, 16.0, 32.0, 16.0, 8.0]  # the forced skips of batches 0, 3 and 4 show
@@ -184,8 +172,8 @@ def test_counts_skipped_steps_of_every_optimizer():
     """Two optimizers fed by one backward (manual optimization): an overflow skips both, and both count."""
     logger = CaptureLogger()
     trainer(logger=logger, callbacks=[LossScaleMonitor(log_every_n_steps=1)]).fit(Model(optimizers=2), Positions())
-    assert logger.scale_log() == expected_log(range(N_BATCHES), optimizers=2)
-    assert logger.scale_log()[N_BATCHES - 1][1] == 2 * len(FORCED)
+    assert logger.scale_log() == expected_log(range(TRAINER_BATCHES), optimizers=2)
+    assert logger.scale_log()[TRAINER_BATCHES - 1][1] == 2 * len(FORCED)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
@@ -246,7 +234,7 @@ def _resume(dirpath, every: int) -> tuple[dict[int, tuple[float, float]], LossSc
 
 def test_skipped_steps_survive_a_resume(tmp_path):
     uninterrupted = _uninterrupted_with_checkpoints(str(tmp_path), 1)
-    assert uninterrupted == expected_log(range(N_BATCHES))
+    assert uninterrupted == expected_log(range(TRAINER_BATCHES))
     state = torch.load(tmp_path / f"step={RESUME_AT}.ckpt", weights_only=False)["callbacks"]["LossScaleMonitor"]
     assert state == {"skipped_steps": recipe()[1][RESUME_AT - 1]} == {"skipped_steps": 2}
 
@@ -296,9 +284,9 @@ def test_the_skips_of_lr_find_do_not_carry_into_the_fit_that_follows():
     logger, monitor = CaptureLogger(), LossScaleMonitor(log_every_n_steps=1)
     fit = trainer(logger=logger, callbacks=[monitor], log_every_n_steps=1, max_epochs=1)
     model = LearningRateModel()
-    Tuner(fit).lr_find(model, train_dataloaders=Positions(), num_training=N_BATCHES, update_attr=False)
+    Tuner(fit).lr_find(model, train_dataloaders=Positions(), num_training=TRAINER_BATCHES, update_attr=False)
     assert int(fit.precision_plugin._recipe.skipped_steps) >= len(FORCED)  # lr_find's own skips
     logger.calls.clear()
     fit.fit(model, Positions())
-    assert logger.scale_log() == expected_log(range(N_BATCHES))
+    assert logger.scale_log() == expected_log(range(TRAINER_BATCHES))
     assert monitor.state_dict() == {"skipped_steps": len(FORCED)}

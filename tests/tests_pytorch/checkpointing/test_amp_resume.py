@@ -51,15 +51,15 @@ from unittest import mock
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import GradScaler, optimizer
+from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
+from tests_fabric.helpers.torch_features import optimizer
 
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, mlp, mlp_loss, quiet_trainer
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, quiet_trainer
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
-from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
 BATCHES_PER_EPOCH = 4
 TOTAL = 10  # 2.5 epochs
-INIT_SCALE = 2.0**4
+#: the scale grows after two applied steps in a row: a resume must restore the growth tracker too
 GROWTH_INTERVAL = 2
 #: global batch indices whose loss is multiplied by inf
 FORCED = (1, 2, 5, 8)
@@ -73,10 +73,6 @@ RESUME_AFTER = (2, 3, 4, 5, 8)
 def _quiet():
     with quiet_trainer():
         yield
-
-
-def new_scaler() -> GradScaler:
-    return _new_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
 def batch_for(index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,9 +157,7 @@ def module_class(package: str) -> type:
         def training_step(self, batch, batch_idx):
             index = self.trainer.fit_loop.total_batch_idx
             x, y = batch if self.case.loader_data else batch_for(index)
-            loss = mlp_loss(self.net, x, y)
-            if index in self.case.forced:
-                loss = loss * float("inf")
+            loss = inject_inf(mlp_loss(self.net, x, y), index, self.case.forced)
             if self.automatic_optimization:
                 return loss
             opts, schedulers = _as_list(self.optimizers()), _as_list(self.lr_schedulers())
@@ -263,7 +257,8 @@ def make_trainer(package: str, case: Case, callbacks=(), **kwargs: Any):
         "enable_checkpointing": any(isinstance(cb, api.pl.callbacks.ModelCheckpoint) for cb in callbacks),
         **kwargs,
     }
-    return shared_make_trainer(api, "16-mixed", scaler=new_scaler(), callbacks=callbacks, **kwargs)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    return shared_make_trainer(api, "16-mixed", scaler=scaler, callbacks=callbacks, **kwargs)
 
 
 def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **kwargs: Any) -> End:
@@ -374,11 +369,11 @@ def test_save_points_cover_the_scaler_state(uninterrupted):
     states = {
         k: torch.load(checkpoint_after(dirpath, case, k), weights_only=False)["MixedPrecision"] for k in RESUME_AFTER
     }
-    assert states[2]["scale"] == INIT_SCALE / 2  # batch 1 skipped, batch 2 will be
-    assert states[3]["scale"] == INIT_SCALE / 4  # two skips in a row
-    assert states[4]["scale"] == INIT_SCALE / 4
+    assert states[2]["scale"] == LOW_INIT_SCALE / 2  # batch 1 skipped, batch 2 will be
+    assert states[3]["scale"] == LOW_INIT_SCALE / 4  # two skips in a row
+    assert states[4]["scale"] == LOW_INIT_SCALE / 4
     assert states[4]["_growth_tracker"] == 1
-    assert states[5]["scale"] == INIT_SCALE / 2
+    assert states[5]["scale"] == LOW_INIT_SCALE / 2
     assert states[5]["_growth_tracker"] == 0
     assert {state["growth_interval"] for state in states.values()} == {GROWTH_INTERVAL}
 
@@ -522,4 +517,4 @@ def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
         resumed = fit(STOCK, COMPAT, ckpt_path=tmp_path / "fork.ckpt")
     assert any("LossScaleMonitor" in str(w.message) for w in caught)
     assert resumed.global_step == TOTAL
-    assert resumed.trajectory.scaler_at_start["scale"] == INIT_SCALE * 2  # grown once in 3 clean steps
+    assert resumed.trajectory.scaler_at_start["scale"] == LOW_INIT_SCALE * 2  # grown once in 3 clean steps

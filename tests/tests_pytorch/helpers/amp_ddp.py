@@ -17,8 +17,8 @@ the gradients over the ranks, so the gradients are those of the mean loss over t
   ranks: each rank's gradient times 1/2, summed by the all-reduce (a sum of two floats does not depend on the order;
   halving commutes with rounding). This reference is bitwise.
 
-Loss scales are powers of two with ``growth_interval=1``; :data:`INF_BATCH`'s loss is multiplied by ``inf`` on the
-ranks a case says.
+Loss scales are powers of two with ``growth_interval=1``, from ``LOW_INIT_SCALE`` (the resumed case trains two
+epochs); :data:`INF_BATCH`'s loss is multiplied by ``inf`` on the ranks a case says.
 """
 
 import contextlib
@@ -27,24 +27,27 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.torch_features import GradScaler
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    INF_BATCH,
+    LOW_INIT_SCALE,
+    N_BATCHES,
+    autocast_dtype,
+    changed_since,
+    make_batches,
+    mlp,
+    named_params,
+    new_scaler,
+    optimizer_params,
+    snapshot,
+)
 from torch import nn
 
 from tests_pytorch.helpers.amp_fused import make_optimizer
-from tests_pytorch.helpers.amp_recipe import make_batches, mlp
-from tests_pytorch.helpers.amp_recipe import new_scaler as shared_new_scaler
 
 WORLD_SIZE = 2
-N_BATCHES = 6
 GLOBAL_BATCH = 8
 LOCAL_BATCH = GLOBAL_BATCH // WORLD_SIZE
-IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
-
-INIT_SCALE = 2.0**6
-INF_BATCH = 2
-CLIP_NORM = 0.05
-
-_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,8 @@ def make_optimizers(case: Case, net: nn.Sequential) -> list[torch.optim.Optimize
     return [make_optimizer(case.optimizer, net.parameters(), case.fused)]
 
 
-def new_scaler(enabled: bool = True) -> GradScaler:
-    return shared_new_scaler(init_scale=INIT_SCALE, enabled=enabled)
-
-
 def autocast(precision: str) -> contextlib.AbstractContextManager:
-    dtype = _DTYPES[precision]
+    dtype = autocast_dtype(precision)
     return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
@@ -150,7 +149,7 @@ def recipe_run(case: Case, split: bool) -> Result:
     averages them."""
     net = make_net()
     opts = make_optimizers(case, net)
-    scaler = new_scaler(enabled=case.uses_scaler)
+    scaler = new_scaler(enabled=case.uses_scaler, init_scale=LOW_INIT_SCALE)
     scales: Optional[list[float]] = [] if case.uses_scaler else None
     skipped = []
     for _ in range(case.epochs):
@@ -170,15 +169,15 @@ def recipe_run(case: Case, split: bool) -> Result:
                     p.grad.mul_(1 / WORLD_SIZE)
             row = []
             for opt in opts:
-                params = [p for group in opt.param_groups for p in group["params"]]
-                before = [p.detach().clone() for p in params]
+                params = optimizer_params(opt)
+                before = snapshot(params)
                 if case.clip:
                     scaler.unscale_(opt)
                     torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
                 scaler.step(opt)
-                row.append(all(torch.equal(b, p) for b, p in zip(before, params)))
+                row.append(not changed_since(before, params))
             scaler.update()
             skipped.append(tuple(row))
             if scales is not None:
                 scales.append(scaler.get_scale())
-    return Result({name: p.detach().clone() for name, p in net.named_parameters()}, scales, skipped)
+    return Result(named_params(net), scales, skipped)

@@ -26,13 +26,26 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    CLIP_VALUE,
+    INIT_SCALE,
+    N_BATCHES,
+    autocast_dtype,
+    inf_batch,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    optimizer_params,
+    uses_scaler,
+)
+from tests_fabric.helpers.amp_world import make_batches as world_batches
 from tests_fabric.helpers.torch_features import optimizer
 from torch import nn
 
-from tests_pytorch.helpers.amp_recipe import FORK, mlp, new_scaler, optimizer_params
+from tests_pytorch.helpers.amp_recipe import FORK
 from tests_pytorch.helpers.amp_recipe import lightning_api as shared_lightning_api
-from tests_pytorch.helpers.amp_recipe import make_batches as shared_make_batches
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD-momentum", "SGD", "Adagrad")
@@ -40,44 +53,20 @@ PRECISIONS = ("16-mixed", "bf16-mixed")
 CLIPS = ("none", "norm", "value")
 MODES = ("automatic", "manual")
 
-N_BATCHES = 6
-BATCH_SIZE = 4
-IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
-
-#: initial loss scale (a power of two; small enough that this model never overflows fp16 by itself in 6 batches)
-INIT_SCALE = 2.0**10
-#: the batch whose loss is multiplied by ``inf`` under 16-mixed
-INF_BATCH = 2
-#: clip values: the recipe asserts that every finite step really clips with them
-CLIP_NORM = 0.05
-CLIP_VALUE = 0.004
-
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-
-
-def uses_scaler(precision: str) -> bool:
-    return precision == "16-mixed"
-
-
-def default_inf_batch(precision: str) -> Optional[int]:
-    # without a scaler an inf would destroy the weights: nothing to skip it
-    return INF_BATCH if uses_scaler(precision) else None
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # what both sides share: network, data, optimizers
 # --------------------------------------------------------------------------------------------------------------------
 
 
-#: the shared MLP (``amp_recipe.mlp``) with this module's seed
+#: the shared MLP with this module's seed
 make_net = functools.partial(mlp, seed=7)
-#: the shared data builder with this module's batch count and seed
-make_batches = functools.partial(shared_make_batches, n_batches=N_BATCHES, seed=2024)
+#: the shared batches (:data:`N_BATCHES` of them) with this module's seed
+make_batches = functools.partial(world_batches, seed=2024)
 
 
 def loss_fn(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_idx: int, inf_at: Optional[int]) -> torch.Tensor:
-    loss = F.mse_loss(net(x), y)
-    return loss * float("inf") if batch_idx == inf_at else loss
+    return inject_inf(mlp_loss(net, x, y), batch_idx, inf_at)
 
 
 class SelfUnscalingSGD(torch.optim.SGD):
@@ -223,7 +212,7 @@ def recipe_run(
     """PyTorch's AMP recipe, written out. ``mode`` only decides where the gradients are recorded, as Lightning's hook
     sees them: before clipping in automatic optimization (the hook runs before the Trainer clips), after the user's
     ``clip_gradients`` in manual optimization (the hook runs inside ``opt.step()``)."""
-    inf_at = default_inf_batch(precision) if inf_at == "default" else inf_at
+    inf_at = inf_batch(precision) if inf_at == "default" else inf_at
     net = make_net()
     opt = make_optimizer(optimizer, net.parameters(), fused)
     scaler = new_scaler(init_scale=init_scale, enabled=uses_scaler(precision))
@@ -233,7 +222,7 @@ def recipe_run(
     for batch_idx, (x, y) in enumerate(make_batches()):
         watcher.before()
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=_DTYPES[precision]):
+        with torch.autocast("cpu", dtype=autocast_dtype(precision)):
             loss = loss_fn(net, x, y, batch_idx, inf_at)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -342,7 +331,7 @@ def lightning_run(
     callbacks: tuple = (),
     package: str = FORK,
 ) -> Run:
-    inf_at = default_inf_batch(precision) if inf_at == "default" else inf_at
+    inf_at = inf_batch(precision) if inf_at == "default" else inf_at
     api = lightning_api(package)
     module = api.FusedModule(optimizer, fused, clip, mode, inf_at)
     watcher = api.Watcher(precision)

@@ -43,28 +43,38 @@ import pytest
 import torch
 import torch.nn.functional as F
 from packaging.version import Version
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    CLIP_VALUE,
+    HIDDEN,
+    IN_FEATURES,
+    INIT_SCALE,
+    OUT_FEATURES,
+    assert_params_bitwise,
+    autocast_dtype,
+    changed_since,
+    inf_batch,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    named_params,
+    new_scaler,
+    optimizer_params,
+    snapshot,
+    uses_scaler,
+)
+from tests_fabric.helpers.amp_world import make_batches as world_batches
 from torch import nn
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
 OPTIMIZERS = ("SGD", "AdamW")
 
-N_BATCHES = 8
-BATCH_SIZE = 4
-IN_FEATURES = 8
-HIDDEN = 16
-OUT_FEATURES = 4
-
-#: initial loss scale of every GradScaler (a power of two, see the module docstring)
-INIT_SCALE = 2.0**10
-#: batch whose loss is multiplied by ``inf`` in 16-mixed cells
-INF_BATCH = 2
+#: the batches of a Trainer run (one epoch): two more than the Fabric suite's :data:`N_BATCHES`, for the cases with a
+#: second inf (:data:`LATE_INF_BATCH`) and an accumulation over pairs of batches
+TRAINER_BATCHES = 8
 #: a second batch with an inf, for cases with several losses per batch: there the inf goes into a later loss
 LATE_INF_BATCH = 5
-#: clip values, small enough to really clip this model's gradients (the recipe asserts it)
-CLIP_NORM = 0.05
-CLIP_VALUE = 0.005
 
 #: Whether the recipe's autocast regions cache weight casts. PyTorch's default is on, and the fork turns the cache on
 #: where torch makes it safe (torch >= 2.11, pytorch#165068), off below. The setting is not numerically neutral: a
@@ -73,29 +83,9 @@ CLIP_VALUE = 0.005
 #: the two gradients are summed in fp32. The recipe follows the fork's policy so that both sides round alike.
 AUTOCAST_CACHE = Version(torch.__version__).release >= (2, 11)
 
-_AUTOCAST_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def autocast_dtype(precision: str) -> Optional[torch.dtype]:
-    """The dtype Lightning's autocast uses for ``precision`` on CPU (``None``: no autocast)."""
-    return _AUTOCAST_DTYPES[precision]
-
-
-def uses_scaler(precision: str) -> bool:
-    return precision == "16-mixed"
-
-
-def inf_batch(precision: str) -> Optional[int]:
-    """Batch whose loss gets an injected ``inf``: only with a scaler, without one an inf would destroy the weights."""
-    return INF_BATCH if uses_scaler(precision) else None
-
 
 def late_inf_batch(precision: str) -> Optional[int]:
     return LATE_INF_BATCH if uses_scaler(precision) else None
-
-
-def inject_inf(loss: torch.Tensor, batch_idx: int, at: Optional[int]) -> torch.Tensor:
-    return loss * float("inf") if batch_idx == at else loss
 
 
 #: what the Trainer says about these tiny CPU runs (no workers, few batches, non-resumable loaders, checkpoints
@@ -115,33 +105,15 @@ def quiet_trainer():
         yield
 
 
-def new_scaler(
-    cls: type = GradScaler, enabled: bool = True, init_scale: float = INIT_SCALE, growth_interval: int = 1
-) -> GradScaler:
-    """The CPU ``GradScaler`` of every test: a power-of-two ``init_scale`` and, by default, ``growth_interval=1``."""
-    return cpu_grad_scaler(cls, init_scale=init_scale, growth_interval=growth_interval, enabled=enabled)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # data, networks, optimizers (shared by both sides)
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _data(n_batches: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n_batches, batch_size, IN_FEATURES, generator=gen)
-    y = torch.randn(n_batches, batch_size, OUT_FEATURES, generator=gen)
-    return x, y
-
-
-def make_batches(
-    n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, seed: int = 1234
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fresh copies of fixed random batches ``(x [batch_size, 8], y [batch_size, 4])``, the same for the same
-    arguments; ``y`` doubles as the generator's noise in the GAN."""
-    x, y = _data(n_batches, batch_size, seed)
-    return [(x[i].clone(), y[i].clone()) for i in range(n_batches)]
+def make_batches(n_batches: int = TRAINER_BATCHES, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The shared batches (:func:`~tests_fabric.helpers.amp_world.make_batches`), a Trainer run of them by default;
+    ``y`` doubles as the generator's noise in the GAN."""
+    return world_batches(n_batches, **kwargs)
 
 
 class Positions:
@@ -149,7 +121,7 @@ class Positions:
     of ``batch_idx``, so that a run resumed mid-epoch (Lightning restarts a non-resumable loader while ``batch_idx``
     continues) trains on the batches the uninterrupted run trains on."""
 
-    def __init__(self, n: int = N_BATCHES) -> None:
+    def __init__(self, n: int = TRAINER_BATCHES) -> None:
         self.n = n
 
     def __iter__(self):
@@ -166,16 +138,7 @@ class Batches:
         return iter(make_batches())
 
     def __len__(self) -> int:
-        return N_BATCHES
-
-
-def mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
-
-
-def mlp_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(net(x), y)
+        return TRAINER_BATCHES
 
 
 class GAN(nn.Module):
@@ -247,21 +210,8 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's parameters in ``param_groups`` order (the order Lightning's clipping uses)."""
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
 def trainable(net: nn.Module) -> list[torch.Tensor]:
     return [p for p in net.parameters() if p.requires_grad]
-
-
-def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in params]
-
-
-def _changed(before: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
-    return any(not torch.equal(b, p) for b, p in zip(before, params))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -284,14 +234,7 @@ def assert_same_run(actual: RunResult, expected: RunResult) -> None:
     """Lightning's run (``actual``) equals the recipe's (``expected``): trajectory, skipped steps, params bitwise."""
     assert actual.scales == expected.scales, f"scale trajectory: {actual.scales} != recipe {expected.scales}"
     assert actual.changed == expected.changed, f"changed per batch: {actual.changed} != recipe {expected.changed}"
-    assert actual.params.keys() == expected.params.keys()
-    differ = {}
-    for name, p in expected.params.items():
-        q = actual.params[name]
-        assert q.dtype == p.dtype, f"{name}: dtype {q.dtype} != recipe {p.dtype}"
-        if not torch.equal(q, p):
-            differ[name] = (q - p).abs().max().item()
-    assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
+    assert_params_bitwise(actual.params, expected.params)
 
 
 def assert_recipe_is_sharp(result: RunResult, precision: str) -> None:
@@ -339,7 +282,7 @@ class RecipeRun:
         self.records: list[Any] = []
         #: the batches :meth:`batches` yields: ``range(start, stop)`` (a resumed run starts later, a short one stops
         #: earlier)
-        self.start, self.stop = 0, N_BATCHES
+        self.start, self.stop = 0, TRAINER_BATCHES
 
     def save_point(self, batch_idx: int, optimizers: list) -> None:
         """Where a recipe would save a checkpoint mid-iteration (between two optimizers' steps); nothing by default."""
@@ -361,15 +304,15 @@ class RecipeRun:
         batches = make_batches()
         for batch_idx in range(self.start, self.stop):
             batch = batches[batch_idx]
-            before = _snapshot(params)
+            before = snapshot(params)
             yield batch_idx, batch
-            self.changed.append(_changed(before, params))
+            self.changed.append(changed_since(before, params))
             if uses_scaler(self.precision):
                 self.scales.append(self.scaler.get_scale())
 
     def result(self) -> RunResult:
         return RunResult(
-            params={name: p.detach().clone() for name, p in self.net.named_parameters()},
+            params=named_params(self.net),
             scales=self.scales if uses_scaler(self.precision) else None,
             changed=self.changed,
             records=self.records,
@@ -452,10 +395,10 @@ def lightning_api(package: str) -> SimpleNamespace:
             self._before: list[torch.Tensor] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self._before = _snapshot(trainable(pl_module))
+            self._before = snapshot(trainable(pl_module))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.changed.append(_changed(self._before, trainable(pl_module)))
+            self.changed.append(changed_since(self._before, trainable(pl_module)))
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.scales.append(None if scaler is None else scaler.get_scale())
 
@@ -527,9 +470,9 @@ def fit_lightning(
     recorder = api.Recorder()
     trainer = make_trainer(api, precision, scaler=scaler, callbacks=[recorder], **trainer_kwargs)
     trainer.fit(module, train_dataloaders=Batches())
-    assert len(recorder.changed) == N_BATCHES, "the trainer did not run every batch"
+    assert len(recorder.changed) == TRAINER_BATCHES, "the trainer did not run every batch"
     return RunResult(
-        params={name: p.detach().clone() for name, p in module.net.named_parameters()},
+        params=named_params(module.net),
         scales=None if all(s is None for s in recorder.scales) else recorder.scales,
         changed=recorder.changed,
         records=module.records,

@@ -42,6 +42,17 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    INF_BATCH,
+    INIT_SCALE,
+    OUT_FEATURES,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    optimizer_params,
+)
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     cpu_grad_scaler,
@@ -53,20 +64,15 @@ from torch import nn
 
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
-    CLIP_NORM,
     GAN,
-    INF_BATCH,
-    INIT_SCALE,
     MIXED_PRECISIONS,
-    N_BATCHES,
-    OUT_FEATURES,
     PRECISIONS,
+    TRAINER_BATCHES,
     Positions,
     RecipeRun,
     RunResult,
     assert_same_run,
     gan_optimizers,
-    inject_inf,
     lightning_api,
     make_batches,
     make_optimizer,
@@ -77,11 +83,7 @@ from tests_pytorch.helpers.amp_recipe import (
     manual_gan_step,
     manual_multi_step,
     manual_two_optimizers,
-    mlp,
-    mlp_loss,
-    new_scaler,
     one_optimizer,
-    optimizer_params,
     recipe_clip,
     recipe_gan,
     recipe_multi_step,
@@ -182,7 +184,7 @@ class Scenario:
     scaler: Optional[Callable[[], Any]] = None
     init_scale: float = INIT_SCALE
     #: batches per epoch and epochs
-    batches: int = N_BATCHES
+    batches: int = TRAINER_BATCHES
     epochs: int = 1
     #: the batch during which a ``save_checkpoint`` scenario saves
     save_at: Optional[int] = None

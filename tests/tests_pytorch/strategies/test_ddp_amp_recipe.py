@@ -30,9 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_fabric.helpers.amp_world import CLIP_NORM, LOW_INIT_SCALE
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
 
-from tests_pytorch.helpers.amp_ddp import CASES, CLIP_NORM, INIT_SCALE, STOCK_CASES, Case, Result, recipe_run
+from tests_pytorch.helpers.amp_ddp import CASES, STOCK_CASES, Case, Result, recipe_run
 from tests_pytorch.helpers.amp_recipe import FORK, NO_STOCK, STOCK, stock_is_unpatched
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_amp_recipe.py"
@@ -171,7 +172,7 @@ def test_skipped_steps(ddp_runs):
     actual = ddp_runs(FORK, "skips")
     inf_batches = {batch for batch, _ in case.inf}
     assert actual.skipped == [(i in inf_batches,) for i in range(len(actual.skipped))]
-    trajectory = [INIT_SCALE, *actual.scales]
+    trajectory = [LOW_INIT_SCALE, *actual.scales]
     for i, (before, after) in enumerate(zip(trajectory, trajectory[1:])):
         assert after == before * (0.5 if i in inf_batches else 2.0), trajectory
     assert all(math.log2(s).is_integer() for s in actual.scales)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests_fabric.helpers.amp_fabric import make_fabric, new_scaler
+from tests_fabric.helpers.amp_fabric import make_fabric
+from tests_fabric.helpers.amp_world import new_scaler
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
 
 pytestmark = requires_cpu_16_mixed

@@ -22,19 +22,15 @@ the stock copy however the fork is installed), and show that the comparisons cat
 
 import contextlib
 import gc
-from typing import Any, Callable
 import warnings
+from typing import Any, Callable
 from unittest import mock
 
 import pytest
 import torch
 
 from tests_fabric.helpers.amp_fabric import (
-    CLIP_NORM,
     CLIPS,
-    INF_BATCH,
-    INIT_SCALE,
-    N_BATCHES,
     OPTIMIZERS,
     PRECISIONS,
     Cell,
@@ -46,13 +42,19 @@ from tests_fabric.helpers.amp_fabric import (
     cached_recipe_run,
     fabric_api,
     fabric_run,
-    inject_inf,
     make_batches,
     make_net,
     make_optimizer,
+    recipe_run,
+)
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    INF_BATCH,
+    INIT_SCALE,
+    N_BATCHES,
+    inject_inf,
     new_scaler,
     params_differ,
-    recipe_run,
     uses_scaler,
 )
 from tests_fabric.helpers.torch_features import OptState, cpu_grad_scaler
@@ -636,7 +638,7 @@ def test_a_wrong_recipe_is_caught():
             opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(net(x), y)
-        scaler.scale(inject_inf(loss, batch_idx, cell)).backward()
+        scaler.scale(inject_inf(loss, batch_idx, cell.inf_batches)).backward()
         for opt in opts:
             scaler.step(opt)
             scaler.update()  # wrong: after every step
@@ -663,7 +665,7 @@ def _recipe_loop(cell: Cell, first_step_only_at: int = -1) -> Run:
             opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(net(x), y)
-        scaler.scale(inject_inf(loss, i, cell)).backward()
+        scaler.scale(inject_inf(loss, i, cell.inf_batches)).backward()
         run.scales.append(scaler.get_scale())
         for opt in opts[:1] if i == first_step_only_at else opts:
             scaler.unscale_(opt)
@@ -680,7 +682,7 @@ def _fabric_iteration(loop: FabricLoop, i: int, between_steps: Callable[[], None
     for opt in loop.opts:
         opt.zero_grad()
     loss = torch.nn.functional.mse_loss(loop.model(x), y)
-    loop.fabric.backward(inject_inf(loss, i, loop.cell))
+    loop.fabric.backward(inject_inf(loss, i, loop.cell.inf_batches))
     loop.run.scales.append(loop.scaler.get_scale())
     for k, opt in enumerate(loop.opts):
         loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
@@ -759,7 +761,8 @@ def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp
                 x, y = make_batches()[i]
                 for opt in loop.opts:
                     opt.zero_grad()
-                loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), i, cell))
+                loss = torch.nn.functional.mse_loss(loop.model(x), y)
+                loop.fabric.backward(inject_inf(loss, i, cell.inf_batches))
                 loop.run.scales.append(loop.scaler.get_scale())
                 for opt in loop.opts:
                     loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
@@ -802,7 +805,8 @@ def test_the_scale_after_the_step_says_whether_it_was_skipped():
     skipped = []
     for i, (x, y) in enumerate(make_batches()):
         opt.zero_grad()
-        loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), i, loop.cell))
+        loss = torch.nn.functional.mse_loss(loop.model(x), y)
+        loop.fabric.backward(inject_inf(loss, i, loop.cell.inf_batches))
         scale = loop.scaler.get_scale()
         opt.step()
         skipped.append(loop.scaler.get_scale() < scale)
@@ -815,7 +819,7 @@ def test_a_bare_scaler_in_the_saved_state_holds_the_owed_update(tmp_path):
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(0,))
     loop = FabricLoop(cell)
     x, y = make_batches()[0]
-    loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), 0, cell))
+    loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), 0, cell.inf_batches))
     loop.opts[0].step()
     live = loop.scaler.state_dict()
     loop.save(tmp_path / "fabric.ckpt", scaler_entry="scaler")

@@ -11,13 +11,14 @@ import warnings
 
 import pytest
 import torch
-from tests_fabric.helpers import amp_fabric
-from tests_fabric.helpers.amp_fabric import N_BATCHES, Cell, FabricLoop, assert_same_run, recipe_run
-from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 
 from lightning.fabric import Fabric
 from lightning.fabric import connector as fabric_connector
 from lightning.fabric.plugins.precision import MixedPrecision
+from tests_fabric.helpers import amp_fabric
+from tests_fabric.helpers.amp_fabric import Cell, FabricLoop, assert_same_run, recipe_run
+from tests_fabric.helpers.amp_world import N_BATCHES
+from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 
 SLOW_CPU_INFO = "float16 matrix multiplications are slow on most CPUs: `precision='bf16-mixed'` is usually faster"
 
@@ -46,7 +47,7 @@ def test_the_flag_gets_a_cpu_gradient_scaler(caplog):
 @requires_cpu_16_mixed
 def test_the_flag_trains_as_the_recipe(monkeypatch):
     cell = Cell("16-mixed", clip="norm")
-    monkeypatch.setattr(amp_fabric, "cpu_grad_scaler", default_cpu_scaler)  # the recipe gets the flag's scaler
+    monkeypatch.setattr(amp_fabric, "new_scaler", default_cpu_scaler)  # the recipe gets the flag's scaler
     expected = recipe_run(cell)
     assert any(any(row) for row in expected.changed)
     assert 0.5 in {b / a for a, b in zip(expected.scales, expected.scales[1:] + [expected.final_scale])}

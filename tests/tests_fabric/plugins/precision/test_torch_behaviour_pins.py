@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests_fabric.helpers.amp_world import INIT_SCALE, new_scaler
 from tests_fabric.helpers.torch_features import (
     AUTOCAST_CACHE_IS_SAFE,
     AUTOCAST_ENABLED_TAKES_DEVICE,
@@ -42,16 +43,6 @@ SCALER_DEVICES = [
     pytest.param("cpu", marks=requires_cpu_grad_scaler),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ]
-INIT_SCALE = 2.0**4
-
-
-def new_scaler(device: str, **kwargs) -> torch.amp.GradScaler:
-    kwargs.setdefault("init_scale", INIT_SCALE)
-    kwargs.setdefault("growth_interval", 1)
-    if HAS_AMP_GRAD_SCALER:
-        return torch.amp.GradScaler(device, **kwargs)
-    assert device == "cuda"
-    return torch.cuda.amp.GradScaler(**kwargs)
 
 
 def param_and_sgd(device: str, value: float = 1.0) -> tuple[nn.Parameter, torch.optim.SGD]:

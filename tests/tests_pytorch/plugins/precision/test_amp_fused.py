@@ -11,14 +11,12 @@ The matrix trains a tiny MLP through the Trainer and through a hand-written PyTo
 
 import pytest
 import torch
+from tests_fabric.helpers.amp_world import CLIP_NORM, CLIP_VALUE, INIT_SCALE, inf_batch, optimizer_params
 from tests_fabric.helpers.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
 
 from tests_pytorch.helpers.amp_fused import (
     BITWISE,
-    CLIP_NORM,
-    CLIP_VALUE,
     CLIPS,
-    INIT_SCALE,
     MODES,
     OPTIMIZERS,
     PRECISIONS,
@@ -30,11 +28,9 @@ from tests_pytorch.helpers.amp_fused import (
     assert_trajectory_matches,
     cached_lightning_run,
     cached_recipe_run,
-    default_inf_batch,
     lightning_api,
     lightning_run,
     make_batches,
-    optimizer_params,
     recipe_run,
     scale_exponents,
     uninitialised_memory_is_nan,
@@ -81,7 +77,7 @@ def _assert_recipe_is_sharp(recipe, precision, clip):
         assert min(finite) > 2 * CLIP_VALUE, f"clip by value does not clip: max |grad| {finite}"
     else:
         assert recipe.clip_seen == []
-    inf_at = default_inf_batch(precision)
+    inf_at = inf_batch(precision)
     assert recipe.skipped == [i == inf_at for i in range(len(recipe.batches))]
 
 
@@ -100,7 +96,7 @@ def test_fused_optimizer_matrix(optimizer, fused, precision, clip, mode):
     _assert_recipe_is_sharp(recipe, precision, clip)
 
     assert_runs_match(run, recipe, BITWISE, grad_tol=BITWISE)
-    assert_skips_exactly(run, precision, default_inf_batch(precision), stateful=optimizer not in STATELESS)
+    assert_skips_exactly(run, precision, inf_batch(precision), stateful=optimizer not in STATELESS)
     if precision == "16-mixed":
         # growth every step (growth_interval=1), one back-off at the inf
         assert scale_exponents(run) == [11, 12, 11, 12, 13, 14]

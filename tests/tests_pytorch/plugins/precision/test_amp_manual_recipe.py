@@ -27,6 +27,16 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from tests_fabric.helpers.amp_world import (
+    CLIP_NORM,
+    CLIP_VALUE,
+    autocast_dtype,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    optimizer_params,
+)
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     autocast_enabled,
@@ -37,15 +47,13 @@ from torch import nn
 
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
-    CLIP_NORM,
-    CLIP_VALUE,
     FORK,
     GAN,
     MIXED_PRECISIONS,
-    N_BATCHES,
     OPTIMIZERS,
     PRECISIONS,
     STOCK,
+    TRAINER_BATCHES,
     NestedAutocastNet,
     RecipeRun,
     RunResult,
@@ -53,11 +61,9 @@ from tests_pytorch.helpers.amp_recipe import (
     assert_recipe_is_sharp,
     assert_same_run,
     auto_plain,
-    autocast_dtype,
     fit_lightning,
     fresh_autocast_forward,
     gan_optimizers,
-    inject_inf,
     lightning_api,
     make_batches,
     make_optimizer,
@@ -68,11 +74,7 @@ from tests_pytorch.helpers.amp_recipe import (
     manual_multi_step,
     manual_plain,
     manual_two_optimizers,
-    mlp,
-    mlp_loss,
-    new_scaler,
     one_optimizer,
-    optimizer_params,
     recipe_accumulate,
     recipe_clip,
     recipe_gan,
@@ -200,7 +202,7 @@ def _closure_ran_under_autocast(records: list, precision: str) -> None:
 
 
 def _saw_updated_weights(records: list, precision: str) -> None:
-    assert records == [True] * N_BATCHES, f"a forward after opt.step() computed with stale weights: {records}"
+    assert records == [True] * TRAINER_BATCHES, f"a forward after opt.step() computed with stale weights: {records}"
 
 
 def _nested_dtypes(net: NestedAutocastNet) -> Callable:
@@ -401,7 +403,7 @@ def check_autocast_off(package: str, precision: str, variant: str) -> None:
         records.append(("clip_grad_norm_", _autocast_on()))
         return clip(*args, **kwargs)
 
-    scaler = new_scaler(_RecordingScaler) if precision == "16-mixed" else None
+    scaler = new_scaler(cls=_RecordingScaler) if precision == "16-mixed" else None
     net = mlp()
     expected_net = copy.deepcopy(net)
     with (

@@ -8,11 +8,12 @@ import copy
 
 import pytest
 import torch
+from tests_fabric.helpers.amp_world import new_scaler
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
 from torch import nn
 
 from lightning.pytorch import LightningModule
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api, make_trainer, new_scaler, quiet_trainer
+from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
 
 pytestmark = requires_cpu_16_mixed
 

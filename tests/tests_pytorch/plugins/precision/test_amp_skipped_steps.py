@@ -27,25 +27,21 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import GradScaler, optimizer
+from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
+from tests_fabric.helpers.torch_features import optimizer
 from torch.optim.lr_scheduler import LambdaLR, StepLR
 
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
-    N_BATCHES,
     STOCK,
+    TRAINER_BATCHES,
     Batches,
     lightning_api,
     make_batches,
-    mlp,
-    mlp_loss,
     quiet_trainer,
 )
 from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
-from tests_pytorch.helpers.amp_recipe import new_scaler as _new_scaler
 
-#: a small power of two: 8 batches of doubling stay far from fp16's range, so only forced overflows skip a step
-INIT_SCALE = 2.0**4
 #: batches whose loss is multiplied by ``inf``: the very first step (normal at the start of fp16 training, and the case
 #: where PyTorch warns about a scheduler stepped before its optimizer) and two in a row
 FORCED = (0, 3, 4)
@@ -69,10 +65,6 @@ SCHEDULER_BEFORE_OPTIMIZER = "lr_scheduler.step()` before `optimizer.step()`"
 def _quiet():
     with quiet_trainer():
         yield
-
-
-def new_scaler() -> GradScaler:
-    return _new_scaler(init_scale=INIT_SCALE)
 
 
 @dataclass
@@ -110,13 +102,13 @@ def assert_same(actual: Run, expected: Run) -> None:
 
 
 def recipe_run(
-    optimizer: str, scheduler: Optional[str], forced=FORCED, n_batches: int = N_BATCHES, accumulate: int = 1
+    optimizer: str, scheduler: Optional[str], forced=FORCED, n_batches: int = TRAINER_BATCHES, accumulate: int = 1
 ) -> Run:
     """PyTorch's AMP recipe; the scheduler steps only after an applied optimizer step."""
     net = mlp()
     opt = OPTIMIZERS[optimizer](net.parameters())
     sch = SCHEDULERS[scheduler](opt) if scheduler else None
-    scaler = new_scaler()
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     if optimizer == "SGD-fused":
         # torch leaves fused SGD's momentum buffers uninitialised when the scaler skips its first step (FORCED does),
         # and the weights then blow up; a careful hand-written loop gives them zeros first, as the fork does (zeros
@@ -128,9 +120,7 @@ def recipe_run(
     for i, (x, y) in enumerate(make_batches()[:n_batches]):
         before = [p.detach().clone() for p in net.parameters()]
         with torch.autocast("cpu", dtype=torch.float16, cache_enabled=AUTOCAST_CACHE):
-            loss = mlp_loss(net, x, y)
-            if i in forced:
-                loss = loss * float("inf")
+            loss = inject_inf(mlp_loss(net, x, y), i, forced)
         scaler.scale(loss / accumulate).backward()
         if (i + 1) % accumulate == 0:
             scaler.step(opt)
@@ -152,7 +142,7 @@ def recipe_run(
 def cached_recipe(optimizer: str, scheduler: Optional[str], forced=FORCED, accumulate: int = 1) -> Run:
     run = recipe_run(optimizer, scheduler, forced, accumulate=accumulate)
     # the recipe is sharp: exactly the forced steps were skipped, all others applied
-    steps = [i for i in range(N_BATCHES) if (i + 1) % accumulate == 0]
+    steps = [i for i in range(TRAINER_BATCHES) if (i + 1) % accumulate == 0]
     overflowed = [i for i in steps if any(j in forced for j in range(i + 1 - accumulate, i + 1))]
     assert [i for i in steps if run.skipped[i]] == overflowed
     return run
@@ -187,9 +177,7 @@ def module_class(package: str) -> type:
         def training_step(self, batch, batch_idx):
             if batch_idx in self.none_at:
                 return None
-            loss = mlp_loss(self.net, *batch)
-            if batch_idx in self.forced:
-                loss = loss * float("inf")
+            loss = inject_inf(mlp_loss(self.net, *batch), batch_idx, self.forced)
             if self.automatic_optimization:
                 return loss
             opt = self.optimizers()
@@ -245,7 +233,7 @@ def recorder_class(package: str) -> type:
 
 
 def make_trainer(package: str, precision: str = "16-mixed", **kwargs: Any):
-    scaler = new_scaler() if precision == "16-mixed" else None
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE) if precision == "16-mixed" else None
     return shared_make_trainer(lightning_api(package), precision, scaler=scaler, **kwargs)
 
 
@@ -269,7 +257,7 @@ def fit(package: str, module, precision: str = "16-mixed", **kwargs: Any):
 def test_step_was_skipped_exactly_on_forced_overflows(mode, optimizer):
     module = module_class("lightning")(optimizer, None, automatic=mode == "automatic")
     _, record = fit("lightning", module)
-    expected = [i in FORCED for i in range(N_BATCHES)]
+    expected = [i in FORCED for i in range(TRAINER_BATCHES)]
 
     assert record.run.skipped == expected  # `pl_module.optimizers().step_was_skipped` in `on_train_batch_end`
     assert record.via_strategy == expected  # the strategy's `LightningOptimizer`, the same object
@@ -294,14 +282,14 @@ def test_stock_lightning_has_no_skip_signal():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_step_was_skipped_is_false_without_a_scaler(precision, mode, optimizer):
     """Without a scaler nothing is ever skipped, not even a step with non-finite gradients: it is applied."""
-    last = N_BATCHES - 1
+    last = TRAINER_BATCHES - 1
     module = module_class("lightning")(optimizer, None, automatic=mode == "automatic", forced=(last,))
     trainer, record = fit("lightning", module, precision=precision)
     assert trainer.precision_plugin.optimizer_step_was_skipped(trainer.optimizers[0]) is False
-    assert record.run.skipped == [False] * N_BATCHES
-    assert record.via_strategy == [False] * N_BATCHES
+    assert record.run.skipped == [False] * TRAINER_BATCHES
+    assert record.via_strategy == [False] * TRAINER_BATCHES
     if mode == "manual":
-        assert module.read_after_step == [False] * N_BATCHES
+        assert module.read_after_step == [False] * TRAINER_BATCHES
     assert all(record.run.changed)
     assert not all(torch.isfinite(p).all() for p in record.run.params.values()), "the inf step was applied"
 
@@ -325,11 +313,11 @@ def test_step_scheduler_follows_the_recipe(mode, optimizer, scheduler):
     recipe = cached_recipe(optimizer, scheduler)
     if mode == "automatic" and optimizer.endswith("-fused"):
         assert record.run.scales == recipe.scales
-        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == N_BATCHES
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == TRAINER_BATCHES
         return
     assert_same(record.run, recipe)
     # the scheduler stepped once per applied step, and the first (skipped) step did not make PyTorch warn
-    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == N_BATCHES - len(FORCED)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == TRAINER_BATCHES - len(FORCED)
     assert not [w for w in record.warnings if SCHEDULER_BEFORE_OPTIMIZER in w]
 
 
@@ -359,11 +347,11 @@ def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
     assert record.run.lrs != recipe.lrs  # ... but the LR moved on anyway
     advancing = [SCHEDULERS[scheduler](torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-2))]
     every_batch = []
-    for _ in range(N_BATCHES):
+    for _ in range(TRAINER_BATCHES):
         advancing[0].step()
         every_batch.append(advancing[0].get_last_lr()[0])
     assert record.run.lrs == every_batch
-    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == N_BATCHES
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == TRAINER_BATCHES
     assert [w for w in record.warnings if SCHEDULER_BEFORE_OPTIMIZER in w]
 
 
@@ -416,6 +404,6 @@ def test_checkpoint_cadence_does_not_depend_on_skipped_steps(mode, tmp_path):
 def test_recipe_scale_halves_exactly_on_skips():
     """Self-check of the reference: ``growth_interval=1`` makes the scale a faithful record of skips."""
     run = cached_recipe("AdamW", "StepLR")
-    trajectory = [INIT_SCALE] + run.scales
+    trajectory = [LOW_INIT_SCALE] + run.scales
     assert [b / a for a, b in zip(trajectory, trajectory[1:])] == [0.5 if s else 2.0 for s in run.skipped]
     assert all(math.log2(s).is_integer() for s in run.scales)

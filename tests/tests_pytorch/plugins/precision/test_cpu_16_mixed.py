@@ -17,13 +17,14 @@ import warnings
 
 import pytest
 import torch
+from tests_fabric.helpers.amp_world import mlp
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
 
 from lightning.fabric import connector as fabric_connector
 from tests_pytorch.helpers.amp_recipe import (
     AUTOCAST_CACHE,
     FORK,
-    N_BATCHES,
+    TRAINER_BATCHES,
     Batches,
     RecipeRun,
     RunResult,
@@ -32,7 +33,6 @@ from tests_pytorch.helpers.amp_recipe import (
     lightning_api,
     make_trainer,
     manual_plain,
-    mlp,
     one_optimizer,
     quiet_trainer,
     recipe_plain,
@@ -87,7 +87,7 @@ def test_the_flag_trains_as_the_recipe(mode):
     )
     recorder = api.Recorder()
     cpu_16_mixed_trainer(callbacks=[recorder]).fit(module, train_dataloaders=Batches())
-    assert len(recorder.changed) == N_BATCHES
+    assert len(recorder.changed) == TRAINER_BATCHES
     actual = RunResult(
         params={name: p.detach().clone() for name, p in module.net.named_parameters()},
         scales=recorder.scales,

@@ -15,9 +15,9 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
+from tests_fabric.helpers.amp_world import CLIP_VALUE, INF_BATCH, INIT_SCALE, N_BATCHES, inject_inf, new_scaler
 from tests_fabric.helpers.torch_features import (
     GradScaler,
-    cpu_grad_scaler,
     optimizer,
     requires_cpu_16_mixed,
     requires_cpu_fused,
@@ -28,11 +28,6 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
-
-INIT_SCALE = 2.0**10
-INF_AT = 2
-CLIP_VALUE = 0.004
-N_BATCHES = 6
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +68,7 @@ def _optimizers(first: nn.Module, second: nn.Module, fused: bool) -> list[torch.
 
 
 def _loss(first: nn.Module, second: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_idx: int) -> torch.Tensor:
-    loss = nn.functional.mse_loss(second(torch.relu(first(x))), y)
-    return loss * float("inf") if batch_idx == INF_AT else loss
+    return inject_inf(nn.functional.mse_loss(second(torch.relu(first(x))), y), batch_idx, INF_BATCH)
 
 
 def _scaler() -> ShardedGradScaler:
@@ -160,14 +154,14 @@ def test_fsdp_precision_follows_the_recipe():
     expected_params, expected_scales = _recipe(fused=False)
     # one update per batch although two optimizers step: the inf batch halves the scale once
     assert record.scales == expected_scales
-    assert expected_scales[INF_AT] == expected_scales[INF_AT - 1] / 2
+    assert expected_scales[INF_BATCH] == expected_scales[INF_BATCH - 1] / 2
     for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
         assert torch.equal(actual, expected)
 
 
 def _plain_scaler() -> GradScaler:
     # on one process the sharded scaler's all-reduce of the inf checks is the identity: the same arithmetic
-    return cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1)
+    return new_scaler()
 
 
 @requires_cpu_16_mixed
@@ -183,7 +177,7 @@ def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
     _fit(model, record)
     expected_params, expected_scales = _recipe(fused=True, scaler=_plain_scaler())
     assert record.scales == expected_scales
-    assert expected_scales[INF_AT] == expected_scales[INF_AT - 1] / 2
+    assert expected_scales[INF_BATCH] == expected_scales[INF_BATCH - 1] / 2
     for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
         assert torch.equal(actual, expected)
 
@@ -290,7 +284,7 @@ def test_fabric_fsdp_precision_follows_the_recipe(fused):
                 fabric.clip_gradients(net, opt, clip_val=CLIP_VALUE)
             opt_first.step()
             opt_second.step()
-            assert opt_first.step_was_skipped == opt_second.step_was_skipped == (batch_idx == INF_AT)
+            assert opt_first.step_was_skipped == opt_second.step_was_skipped == (batch_idx == INF_BATCH)
             scales.append(fabric.strategy.precision.state_dict()["scale"])  # applies the iteration's update
     expected_params, expected_scales = _recipe(fused=fused, scaler=_plain_scaler() if fused else None)
     assert scales == expected_scales

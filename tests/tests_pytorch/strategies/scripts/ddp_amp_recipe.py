@@ -18,16 +18,9 @@ import torch.nn.functional as F
 # tests/ on sys.path, for the shared helper (this file is tests/tests_pytorch/strategies/scripts/...)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests_pytorch.helpers.amp_ddp import (
-    CASES,
-    CLIP_NORM,
-    STOCK_CASES,
-    Case,
-    RankBatches,
-    make_net,
-    make_optimizers,
-    new_scaler,
-)
+from tests_fabric.helpers.amp_world import CLIP_NORM, LOW_INIT_SCALE, new_scaler
+
+from tests_pytorch.helpers.amp_ddp import CASES, STOCK_CASES, Case, RankBatches, make_net, make_optimizers
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api
 
 
@@ -86,7 +79,7 @@ def fit(package: str, case: Case, epochs: int, module=None, ckpt_path=None):
     pl, MixedPrecision = api(package)
     kwargs = {}
     if case.uses_scaler:
-        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=new_scaler())]
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=new_scaler(init_scale=LOW_INIT_SCALE))]
     else:
         kwargs["precision"] = "32-true" if case.precision == "32" else case.precision
     if case.automatic and case.clip:

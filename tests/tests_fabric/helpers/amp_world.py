@@ -1,0 +1,161 @@
+"""The tiny mixed-precision world every AMP test of both suites (``tests_fabric``, ``tests_pytorch``) trains in.
+
+A test trains the same tiny model on the same data twice, once through Lightning (the Trainer or Fabric) and once
+through PyTorch's AMP recipe written by hand, and compares the two bitwise. What both sides and both suites share is
+defined here, once: the sizes, the loss scales and clip values, the gradient scaler, the batches, the MLP, the ``inf``
+injection and the bitwise comparison of parameters.
+
+Design choices that make bugs unable to hide:
+
+* loss scales are powers of two (scaling and unscaling are then exact in fp32, so the two sides are bitwise
+  comparable) and ``growth_interval=1`` (the scale moves on every update, so a missing, extra or misplaced
+  ``update()`` shows in the trajectory);
+* under 16-mixed the loss of batch :data:`INF_BATCH` is multiplied by ``inf``, so that a skipped step and a back-off
+  happen at a known place;
+* the clip values are small enough that every finite step of these runs really clips (the recipes assert it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler
+
+#: the MLP: ``IN_FEATURES -> HIDDEN -> OUT_FEATURES``, fp32 parameters
+IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
+#: samples per batch
+BATCH_SIZE = 4
+#: batches of a run (the Trainer suite's epoch is longer: ``tests_pytorch.helpers.amp_recipe.TRAINER_BATCHES``)
+N_BATCHES = 6
+
+#: initial loss scale: a power of two, small enough that the MLP never overflows fp16 by itself in a run
+INIT_SCALE = 2.0**10
+#: a lower initial scale, for runs whose scale doubles on every step over many batches (or epochs): they stay far from
+#: fp16's range, so that only the forced overflows skip a step
+LOW_INIT_SCALE = 2.0**4
+#: the batch whose loss is multiplied by ``inf`` under 16-mixed (not the first: fused SGD's first step is special)
+INF_BATCH = 2
+#: clip values, small enough that every finite step of these runs clips (the recipes assert it)
+CLIP_NORM = 0.05
+CLIP_VALUE = 0.004
+
+_AUTOCAST_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def autocast_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype Lightning's autocast uses for ``precision`` on CPU (``None``: no autocast)."""
+    return _AUTOCAST_DTYPES[precision]
+
+
+def uses_scaler(precision: str) -> bool:
+    return precision == "16-mixed"
+
+
+def inf_batch(precision: str) -> Optional[int]:
+    """The batch whose loss gets an ``inf``: only with a scaler (without one an inf would destroy the weights)."""
+    return INF_BATCH if uses_scaler(precision) else None
+
+
+def new_scaler(
+    device: str = "cpu",
+    *,
+    cls: Optional[type] = None,
+    enabled: bool = True,
+    init_scale: float = INIT_SCALE,
+    growth_interval: int = 1,
+    **kwargs,
+) -> GradScaler:
+    """The ``GradScaler`` of every test: a power-of-two ``init_scale`` and, by default, ``growth_interval=1``.
+
+    On the CPU (``cls``: ``GradScaler`` or a subclass) a test that cannot train 16-mixed on this torch skips with the
+    reason (a disabled scaler works everywhere); ``device="cuda"`` gives CUDA's, on every torch."""
+    kwargs.update(init_scale=init_scale, growth_interval=growth_interval, enabled=enabled)
+    if device == "cuda":
+        assert cls is None
+        return cuda_grad_scaler(**kwargs)
+    assert device == "cpu", device
+    return cpu_grad_scaler(cls, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# data and network (what a user writes once for both sides)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _data(n_batches: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches, batch_size, IN_FEATURES, generator=gen)
+    y = torch.randn(n_batches, batch_size, OUT_FEATURES, generator=gen)
+    return x, y
+
+
+def make_batches(
+    n_batches: int = N_BATCHES, batch_size: int = BATCH_SIZE, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fresh copies of fixed random batches ``(x [batch_size, 8], y [batch_size, 4])``, the same for the same
+    arguments."""
+    x, y = _data(n_batches, batch_size, seed)
+    return [(x[i].clone(), y[i].clone()) for i in range(n_batches)]
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_FEATURES))
+
+
+def mlp_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(net(x), y)
+
+
+def inject_inf(loss: torch.Tensor, batch_idx: int, at: Union[None, int, Collection[int]]) -> torch.Tensor:
+    """``loss * inf`` on the batch ``at`` (an index, several, or ``None``: none), else ``loss`` unchanged."""
+    hit = batch_idx == at if at is None or isinstance(at, int) else batch_idx in at
+    return loss * float("inf") if hit else loss
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# parameters: snapshots and the bitwise comparison
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in ``param_groups`` order (the order Lightning's clipping uses)."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def changed_since(before: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
+    """Whether any of ``params`` differs from its copy in ``before`` (a skipped step changes none)."""
+    return any(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+def named_params(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def params_differ(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max abs difference of every parameter that is not bitwise equal (empty: all bitwise equal)."""
+    assert actual.keys() == expected.keys()
+    differ = {}
+    for name, p in expected.items():
+        q = actual[name]
+        assert q.dtype == p.dtype, f"{name}: dtype {q.dtype} != recipe {p.dtype}"
+        if not torch.equal(q, p):
+            differ[name] = (q - p).abs().max().item()
+    return differ
+
+
+def assert_params_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every parameter of ``actual`` (Lightning's run) equals ``expected`` (the recipe's) bit for bit."""
+    differ = params_differ(actual, expected)
+    assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
