@@ -249,11 +249,11 @@ class GradScalerRecipe:
         mark = self._step_marks.get(key)
         if mark is not None and mark[0] == self._scaled_losses and mark[1]() is _first_gradient(optimizer):
             return  # no backward since its step (a clip after `opt.step()`): the gradients it stepped on are true
-        self._unscale(optimizer)
+        if self._torch.sharded or _has_gradients(optimizer):
+            self._unscale(optimizer)
 
     def _unscale(self, optimizer: Any) -> None:
-        if not self._torch.sharded and not _has_gradients(optimizer):
-            return  # nothing to unscale; FSDP's all-reduce of the inf checks needs every rank, with a shard or not
+        # FSDP's `ShardedGradScaler` all-reduces the inf checks: every rank unscales, whether its shard has gradients
         try:
             self.scaler.unscale_(optimizer)
         except AssertionError as error:
@@ -281,9 +281,8 @@ class GradScalerRecipe:
             raise _stepped_again_error(optimizer)
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
         unscales_itself = in_kernel and _handles_unscaling_itself(optimizer)
-        if stage is OptState.READY and not unscales_itself:
-            self._unscale(optimizer)
-        if not unscales_itself and self._torch.stage(holder) is OptState.READY:
+        plain = stage is OptState.READY and not (unscales_itself or self._torch.sharded or _has_gradients(optimizer))
+        if plain:
             output = optimizer.step(**kwargs)  # no gradients: nothing to unscale or to skip on
             self._last_skip.pop(key, None)
         else:
@@ -293,6 +292,8 @@ class GradScalerRecipe:
                 self._step_hooks[key] = optimizer.register_step_post_hook(
                     functools.partial(_step_ran, weakref.ref(self))
                 )
+            if stage is OptState.READY and not unscales_itself:
+                self._unscale(optimizer)
             self._step_ran = False
             if holder is optimizer and not (in_kernel and self._torch.sharded):
                 output = self.scaler.step(optimizer, **kwargs)
@@ -312,6 +313,8 @@ class GradScalerRecipe:
             self._stepped.add(key)
             if self._fit.keys() <= self._stepped:
                 self._settle()
+        elif not self._fit:  # nobody declared the fit's optimizers: each step is its own, as in stock Lightning
+            self._settle()
         return output
 
     def _checked_stage(self, optimizer: Any) -> tuple[OptState, Any]:
