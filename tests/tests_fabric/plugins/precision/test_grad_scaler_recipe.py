@@ -1,17 +1,21 @@
-"""The transitions of ``GradScalerRecipe``, the one state machine that both packages' plugins drive.
+"""The transitions of ``GradScalerRecipe``, the one update cycle that both packages' plugins drive.
 
 Each test takes one transition (or one illegal one) on a twin of PyTorch's recipe: the same tiny model, the same data,
-power-of-two scales, ``growth_interval=1``, injected infs, and compares parameters and scales bitwise.
+power-of-two scales, ``growth_interval=1``, injected infs, and compares parameters and scales bitwise against torch's
+``GradScaler`` driven by hand in the loop torch accepts. The rows (a), (b), (c) are those of the update rule's table in
+``amp_recipe.py``. Every scaler here refuses writes from outside torch's own methods (:class:`_Untouched`).
 """
 
+import _thread
+import contextlib
 import copy
+import functools
 import gc
 import json
 import os
 import random
 import socket
 import subprocess
-import _thread
 import sys
 import threading
 from datetime import timedelta
@@ -23,11 +27,8 @@ import torch
 from torch import nn
 
 from lightning.fabric.plugins.precision.amp_misuse_watch import WATCHED_UPDATES
-from lightning.fabric.plugins.precision.amp_recipe import (
-    GradScalerRecipe,
-    IterationPhase,
-    _check_scaler_is_enabled,
-)
+from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe
+from lightning.fabric.plugins.precision.amp_torch_scaler import _check_scaler_is_enabled
 from tests_fabric.helpers.torch_features import (
     GradScaler,
     OptState,
@@ -39,49 +40,142 @@ from tests_fabric.helpers.torch_features import (
 
 pytestmark = requires_cpu_grad_scaler
 
+X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
+IDX = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(1))  # an embedding's rows, some repeated
+
+
+class _Untouched(GradScaler):
+    """torch's scaler, checking that only its own methods write its state: a fingerprint of its attributes, of its
+    per-optimizer dict (keys, stages, inf checks) and of its tensors' version counters is taken as the outermost of its
+    methods returns, and must be the same when the next one is entered and at the test's end."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__["_fingerprint"] = self.fingerprint()
+        _SCALERS.append(self)
+
+    def __setattr__(self, name: str, value) -> None:
+        if not self.__dict__.get("_depth") and "_fingerprint" in self.__dict__:
+            raise AssertionError(f"the scaler's `{name}` written outside torch's own calls")
+        object.__setattr__(self, name, value)
+
+    def fingerprint(self) -> tuple:
+        states = self.__dict__.get("_per_optimizer_states", {})
+        return (
+            {k: id(v) for k, v in self.__dict__.items() if k not in ("_depth", "_fingerprint")},
+            [
+                (key, state["stage"], sorted(state), [(d, id(f), f._version) for d, f in state["found_inf_per_device"].items()])
+                for key, state in states.items()
+            ],
+            [v._version for v in self.__dict__.values() if isinstance(v, torch.Tensor)],
+        )
+
+    def verify(self) -> None:
+        assert self.fingerprint() == self.__dict__["_fingerprint"], "the scaler's state was written outside torch"
+
+
+def _torchs_own(method):
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        outermost = not self.__dict__.get("_depth")
+        if outermost and "_fingerprint" in self.__dict__:
+            self.verify()
+        self.__dict__["_depth"] = self.__dict__.get("_depth", 0) + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.__dict__["_depth"] -= 1
+            if outermost and "_fingerprint" in self.__dict__:
+                self.__dict__["_fingerprint"] = self.fingerprint()
+
+    return call
+
+
+for _name, _method in vars(GradScaler).items():
+    if callable(_method) and not _name.startswith("__"):
+        setattr(_Untouched, _name, _torchs_own(_method))
+_SCALERS: list = []
+
 
 @pytest.fixture(autouse=True)
-def no_thread_left_behind():
+def no_thread_left_behind_and_no_write_to_the_scaler():
     """Upstream's ``conftest.py`` fails a test that leaves a thread behind ("Test left zombie thread"): a test joins
-    what it starts, and the watch must not register the autograd engine's threads with ``threading``."""
+    what it starts, and the watch must not register the autograd engine's threads with ``threading``. And no scaler
+    was written outside torch's own calls."""
     before = set(threading.enumerate())
     yield
     assert set(threading.enumerate()) <= before
-
-X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
-
-
-def _scaler() -> GradScaler:
-    return cpu_grad_scaler(init_scale=2.0**10, growth_interval=1)
+    scalers = list(_SCALERS)
+    _SCALERS.clear()
+    for scaler in scalers:
+        scaler.verify()
 
 
-def _twins() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    net = nn.Linear(4, 2)
-    twin = copy.deepcopy(net)
-    return net, torch.optim.SGD(net.parameters(), lr=0.1), twin, torch.optim.SGD(twin.parameters(), lr=0.1)
+def _scaler(**kwargs) -> GradScaler:
+    return cpu_grad_scaler(_Untouched, **{"init_scale": 2.0**10, "growth_interval": 1, **kwargs})
+
+
+def _fit(n: int = 1, momentum: float = 0.0, sparse: tuple = (), seed: int = 0) -> tuple:
+    """``n`` networks (those in ``sparse``: an ``nn.Embedding(sparse=True)``) with their SGDs, the twins for torch's
+    side, a recipe that tracks the first side's optimizers, and torch's scaler for the twins."""
+    torch.manual_seed(seed)
+    nets = [nn.Embedding(10, 2, sparse=True) if i in sparse else nn.Linear(4, 2) for i in range(n)]
+    twins = copy.deepcopy(nets)
+    opts, twin_opts = ([torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in ms] for ms in (nets, twins))
+    recipe = GradScalerRecipe(_scaler())
+    for opt in opts:
+        recipe.track(opt)
+    return nets, opts, twins, twin_opts, recipe, _scaler()
 
 
 def _loss(net: nn.Module, inf: bool = False) -> torch.Tensor:
-    loss = nn.functional.mse_loss(net(X), Y)
+    loss = nn.functional.mse_loss(net(IDX if isinstance(net, nn.Embedding) else X), Y)
     return loss * float("inf") if inf else loss
+
+
+def _backward(recipe: GradScalerRecipe, loss: torch.Tensor) -> None:
+    """The plugins' backward: scale, backward (inside the watch's scaled backward when it is on), after_backward."""
+    scaled = recipe.scale(loss)
+    with recipe.watch.scaled_backward() if recipe.watch is not None else contextlib.nullcontext():
+        scaled.backward()
+    recipe.after_backward()
+
+
+def _torch_step(scaler: GradScaler, loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_one_iteration_equals_the_recipe():
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+def _same_grads(a: nn.Module, b: nn.Module) -> bool:
+    for p, q in zip(a.parameters(), b.parameters()):
+        if (p.grad is None) != (q.grad is None):
+            return False
+        if p.grad is not None:  # bitwise, NaN in the same places (an injected inf)
+            g, h = (t.to_dense() if t.is_sparse else t for t in (p.grad, q.grad))
+            if not torch.equal(g.isnan(), h.isnan()) or not torch.equal(g.nan_to_num(), h.nan_to_num()):
+                return False
+    return True
+
+
+# ---- (a): right after a step, when every optimizer of the fit has stepped since the last update --------------------
+
+
+def test_one_optimizer_updates_right_after_each_step():
+    """One optimizer: the update follows each step (the ``get_scale()`` skip idiom), clipping reads true gradients."""
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     for inf in (False, True, False):
         recipe.iteration_start()
-        assert recipe.phase is IterationPhase.INSIDE
-        with recipe.backward():
-            recipe.scale(_loss(net, inf)).backward()
+        _backward(recipe, _loss(net, inf))
         recipe.unscale(opt)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+        before = recipe.scaler.get_scale()
         recipe.step(opt)
+        assert (recipe.scaler.get_scale() < before) is inf  # already updated: the idiom sees the skip
         assert recipe.step_was_skipped(opt) is inf
         recipe.iteration_end()
         opt.zero_grad()
@@ -94,66 +188,96 @@ def test_one_iteration_equals_the_recipe():
         twin_opt.zero_grad()
         assert recipe.scaler.get_scale() == scaler.get_scale()
     assert _same(net, twin)
-    assert int(recipe.skipped_steps) == 1
+    assert (recipe.updates, int(recipe.skipped_steps)) == (3, 1)
 
 
-def test_unscale_is_idempotent_and_reads_the_users_own_unscale():
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
-    recipe.scale(_loss(net)).backward()
-    recipe.scaler.unscale_(opt)  # the user, following torch's recipe
-    recipe.unscale(opt)  # clipping: not a second unscale
-    recipe.step(opt)
-    recipe.iteration_end()
-    scaler.scale(_loss(twin)).backward()
-    scaler.unscale_(twin_opt)
-    scaler.step(twin_opt)
-    scaler.update()
-    assert _same(net, twin)
-
-
-def test_a_scaled_backward_onto_unscaled_gradients_is_refused_at_the_step():
-    """Unscaled, not stepped, and a scaled backward reaches the parameters: the gradients mix two scales. The step
-    (and clipping) refuse them and change nothing; zeroed, the optimizer goes on."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    with recipe.backward():
-        recipe.scale(_loss(net)).backward()
-    recipe.unscale(opt)
-    with recipe.backward():
-        recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
-    before = copy.deepcopy(net)
-    for event in (lambda: recipe.unscale(opt), lambda: recipe.step(opt)):
-        with pytest.raises(RuntimeError, match="unscaled .* but the optimizer did not step before a later backward"):
-            event()
-    assert _same(net, before)
-    opt.zero_grad()
-    with recipe.backward():
-        recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
-    recipe.step(opt)
-    assert not _same(net, before)
-
-
-def test_unscaled_gradients_that_the_next_backward_does_not_reach_step_normally():
-    """Two networks, each clipped right after its own backward, then both step: torch only needs an optimizer's
-    gradients complete before its ``unscale_``, and so does the recipe."""
-    torch.manual_seed(0)
-    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
-    twins = copy.deepcopy(nets)
-    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
-    twin_opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in twins]
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+def test_two_optimizers_fed_by_one_backward_update_once_after_the_last_step():
+    nets, opts, twins, twin_opts, recipe, scaler = _fit(2)
     for inf in (False, True, False):
-        recipe.iteration_start()
+        _backward(recipe, _loss(nets[0]) + _loss(nets[1], inf))
+        updates = recipe.updates
+        recipe.step(opts[0])
+        assert recipe.updates == updates  # the other's gradients wait for their step, in the same scale
+        recipe.step(opts[1])
+        assert recipe.updates == updates + 1
+        for opt in opts:
+            opt.zero_grad()
+        scaler.scale(_loss(twins[0]) + _loss(twins[1], inf)).backward()
+        for opt in twin_opts:
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+        assert recipe.scaler.get_scale() == scaler.get_scale()
+    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert [recipe.step_was_skipped(opt) for opt in opts] == [False, False]
+
+
+# ---- (b): at the next scale, unless an optimizer that has not stepped holds gradients produced since ----------------
+
+
+@pytest.mark.parametrize("n_critic", [1, 3])
+def test_a_critic_stepped_n_times_before_the_generator_updates_after_each_step(n_critic):
+    """A WGAN's loop: the critic steps ``n_critic`` times, then the generator (whose loss reaches the critic too).
+    torch's only legal loop updates after each step; the recipe applies each update before the next backward, so every
+    backward and step runs at torch's scale, and the scale backs off after each overflowing critic step."""
+    (critic, gen), (opt_c, opt_g), (twin_c, twin_g), (twin_opt_c, twin_opt_g), recipe, scaler = _fit(2)
+    infs = iter([True, True, False, False, True, False, False, True] * 4)
+
+    def gen_loss(gen: nn.Module, critic: nn.Module, inf: bool) -> torch.Tensor:  # reaches the critic too
+        return (gen(X) @ critic.weight).pow(2).mean() * (float("inf") if inf else 1.0)
+
+    for _ in range(3):
+        for _ in range(n_critic):
+            inf = next(infs)
+            opt_c.zero_grad()
+            _backward(recipe, _loss(critic, inf))
+            assert recipe.scaler.get_scale() == scaler.get_scale()  # the last step's update came before
+            recipe.step(opt_c)
+            twin_opt_c.zero_grad()
+            _torch_step(scaler, _loss(twin_c, inf), twin_opt_c)
+        inf = next(infs)
+        opt_g.zero_grad()
+        _backward(recipe, gen_loss(gen, critic, inf))
+        assert recipe.scaler.get_scale() == scaler.get_scale()
+        recipe.step(opt_g)
+        twin_opt_g.zero_grad()
+        _torch_step(scaler, gen_loss(twin_g, twin_c, inf), twin_opt_g)
+        assert _same(critic, twin_c) and _same(gen, twin_g)
+    recipe.iteration_end()
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+
+
+def test_an_unstepped_optimizer_holding_gradients_of_this_scale_makes_the_update_wait():
+    """A backward reaching A and B, ``A.step()``, a backward reaching B again, ``B.step()``: the update waits until B
+    stepped, so B's accumulated gradients are unscaled with the one scale that scaled both backwards."""
+    nets, opts, twins, twin_opts, recipe, scaler = _fit(2)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+    recipe.step(opts[0])
+    _backward(recipe, _loss(nets[1]))
+    assert recipe.updates == 0
+    recipe.step(opts[1])
+    assert recipe.updates == 1
+    scaler.scale(_loss(twins[0]) + _loss(twins[1])).backward()
+    scaler.step(twin_opts[0])
+    scaler.scale(_loss(twins[1])).backward()
+    scaler.step(twin_opts[1])
+    scaler.update()
+    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+
+
+def test_two_networks_each_clipped_after_its_own_backward_step_after_both():
+    """torch only needs an optimizer's gradients complete before its ``unscale_``: the first network's unscaled
+    gradients wait (no update before the second backward), and the second backward does not reach them."""
+    nets, opts, twins, twin_opts, recipe, scaler = _fit(2)
+    for inf in (False, True, False):
         for net, opt in zip(nets, opts):
-            with recipe.backward():
-                recipe.scale(_loss(net, inf and net is nets[1]), optimizers=lambda: opts).backward()
+            _backward(recipe, _loss(net, inf and net is nets[1]))
             recipe.unscale(opt)
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
         for opt in opts:
             recipe.step(opt)
             opt.zero_grad()
-        recipe.iteration_end()
         for net, opt in zip(twins, twin_opts):
             scaler.scale(_loss(net, inf and net is twins[1])).backward()
             scaler.unscale_(opt)
@@ -166,82 +290,147 @@ def test_unscaled_gradients_that_the_next_backward_does_not_reach_step_normally(
     assert all(_same(a, b) for a, b in zip(nets, twins))
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_unscaled_then_cleared_is_not_live(set_to_none):
-    """``zero_grad(set_to_none=False)`` leaves zeros: not live gradients, so no false error."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.scale(_loss(net)).backward()
-    recipe.unscale(opt)
-    opt.zero_grad(set_to_none=set_to_none)
-    recipe.scale(_loss(net), optimizers=lambda: [opt]).backward()
-    assert recipe.stage(opt) is OptState.READY
+def test_the_update_is_applied_before_a_backward_when_no_gradients_wait():
+    """Clipped with an inf, zeroed, not stepped, then a backward of the other network: nothing waits for the update, so
+    the scale backs off before that backward (torch: ``unscale_``, ``update()``, then the next backward)."""
+    nets, opts, twins, twin_opts, recipe, scaler = _fit(2)
+    _backward(recipe, _loss(nets[0], inf=True))
+    recipe.unscale(opts[0])
+    opts[0].zero_grad()
+    _backward(recipe, _loss(nets[1]))
+    assert recipe.updates == 1
+    for opt in opts:
+        recipe.step(opt)  # A has no gradients: a plain step
+    scaler.scale(_loss(twins[0], inf=True)).backward()
+    scaler.unscale_(twin_opts[0])
+    twin_opts[0].zero_grad()
+    scaler.update()
+    _torch_step(scaler, _loss(twins[1]), twin_opts[1])
+    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+    assert not recipe.step_was_skipped(opts[0])
 
 
-def test_an_inf_check_without_a_step_still_backs_the_scale_off():
-    """A guard that clips, sees non-finite gradients and does not step: the recipe's update still runs."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+def test_a_clip_after_the_step_changes_nothing_and_returns_the_true_norm():
+    """``clip_gradients`` after ``opt.step()`` (to log the norm): no second unscale and no second update; the norm is
+    that of the true gradients the step used."""
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
+    for inf in (False, True, False, False):
+        opt.zero_grad()
+        _backward(recipe, _loss(net, inf))
+        recipe.step(opt)
+        recipe.unscale(opt)
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)
+        twin_opt.zero_grad()
+        scaler.scale(_loss(twin, inf)).backward()
+        scaler.unscale_(twin_opt)
+        twin_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e9)
+        scaler.step(twin_opt)
+        scaler.update()
+        assert torch.equal(norm.nan_to_num(), twin_norm.nan_to_num())
+        assert _same_grads(net, twin)
+    assert recipe.updates == 4
+    assert _same(net, twin)
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+
+
+def test_sparse_gradients_train_like_torchs_recipe():
+    """``nn.Embedding(sparse=True)``: unscale A, a backward that does not reach A, both step. Decided from metadata,
+    never from values (``ne(0)`` does not run on sparse tensors)."""
+    nets, opts, twins, twin_opts, recipe, scaler = _fit(2, momentum=0.9, sparse=(0,))
+    for inf in (False, True, False):
+        _backward(recipe, _loss(nets[0], inf))
+        recipe.unscale(opts[0])
+        _backward(recipe, _loss(nets[1]))
+        for opt in opts:
+            recipe.step(opt)
+            opt.zero_grad()
+        scaler.scale(_loss(twins[0], inf)).backward()
+        scaler.unscale_(twin_opts[0])
+        scaler.scale(_loss(twins[1])).backward()
+        for opt in twin_opts:
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+        assert recipe.scaler.get_scale() == scaler.get_scale()
+    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert recipe.step_was_skipped(opts[0]) is False
+
+
+# ---- (c): the iteration's end, the end of the fit, a load ------------------------------------------------------------
+
+
+def test_an_inf_check_without_a_step_backs_the_scale_off_at_the_iterations_end():
+    """A guard that clips, sees non-finite gradients and does not step: the update still runs."""
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.iteration_start()
-    recipe.scale(_loss(net, inf=True)).backward()
+    _backward(recipe, _loss(net, inf=True))
     recipe.unscale(opt)
     opt.zero_grad()
+    assert recipe.update_owed
     recipe.iteration_end()
-    assert recipe.scaler.get_scale() == 2.0**9
-
-
-def test_a_collected_optimizer_leaves_no_state_under_its_id():
-    """torch keys its per-optimizer state by ``id()``, which CPython hands to the next object of the same size: an
-    inner-loop optimizer created per step would inherit the stage of the one before (stepped, or unscaled) and have its
-    step refused or its gradients stepped still scaled. A collected optimizer's state is set aside at once, and its
-    inf check still backs the scale off at the update."""
-    net, _, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.iteration_start()
-    with recipe.backward():
-        recipe.scale(_loss(net, inf=True)).backward()
-    inner = torch.optim.SGD(net.parameters(), lr=0.1)
-    recipe.step(inner)
-    dead_id = id(inner)
-    assert dead_id in recipe.scaler._per_optimizer_states
-    del inner
-    gc.collect()
-    assert dead_id not in recipe.scaler._per_optimizer_states
-    recipe.iteration_end()
-    assert recipe.scaler.get_scale() == 2.0**9
+    assert (recipe.scaler.get_scale(), recipe.update_owed) == (2.0**9, False)
 
 
 def test_no_update_without_an_inf_check():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+    [net], _, _, _, recipe, _ = _fit()
     recipe.iteration_start()
-    recipe.scale(_loss(net)).backward()  # accumulation: no unscale, no step
+    _backward(recipe, _loss(net))  # accumulation: no unscale, no step
     recipe.iteration_end()
-    assert recipe.scaler.get_scale() == 2.0**10
-    assert recipe.updates == 0
+    assert (recipe.scaler.get_scale(), recipe.updates) == (2.0**10, 0)
+
+
+def test_end_fit_applies_the_owed_update_and_forgets_the_fit():
+    """The update a clip owes is applied when training ends; the step hook goes; the next fit's optimizers are its
+    own (a step of the first fit's optimizer no longer counts for rule (a))."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0], inf=True) + _loss(nets[1]))
+    recipe.step(opts[0])
+    assert len(opts[0]._optimizer_step_post_hooks) == 1
+    recipe.end_fit()
+    assert (recipe.scaler.get_scale(), recipe.updates) == (2.0**9, 1)
+    assert len(opts[0]._optimizer_step_post_hooks) == 0
+    assert recipe.step_was_skipped(opts[0])  # still answered
+    for opt in opts:
+        opt.zero_grad()
+    recipe.track(opts[1])
+    _backward(recipe, _loss(nets[1]))
+    recipe.step(opts[1])
+    assert recipe.updates == 2  # the second fit has one optimizer
+
+
+def test_a_load_consumes_the_owed_update():
+    """A load replaces the scale the owed update would change: the owed inf check must not reach the loaded scale."""
+    [net], [opt], _, _, recipe, _ = _fit()
+    _backward(recipe, _loss(net, inf=True))
+    recipe.unscale(opt)  # the inf is recorded; the update is owed
+    state = recipe.state_dict(include_owed_update=False)
+    state["scale"], state["_growth_tracker"] = 2.0**5, 0
+    recipe.load_state_dict(state)
+    opt.zero_grad()
+    _backward(recipe, _loss(net))
+    recipe.step(opt)
+    assert recipe.scaler.get_scale() == 2.0**6  # grown from the loaded scale (growth_interval=1), not backed off
 
 
 def test_state_dict_inside_an_iteration_leaves_the_live_run_alone():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.iteration_start()
-    recipe.scale(_loss(net, inf=True)).backward()
-    recipe.step(opt)
+    _backward(recipe, _loss(net, inf=True))
+    recipe.unscale(opt)
     assert recipe.state_dict()["scale"] == 2.0**10  # the iteration's own scale
+    assert recipe.state_dict(include_owed_update=True)["scale"] == 2.0**9
     assert recipe.updates == 0
     recipe.iteration_end()
     assert recipe.scaler.get_scale() == 2.0**9
 
 
 def test_state_dict_outside_an_iteration_holds_the_owed_update_and_changes_nothing():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.scale(_loss(net, inf=True)).backward()
-    recipe.step(opt)  # outside any iteration: Fabric, or a step in `on_train_epoch_end`
-    states = copy.deepcopy(recipe.scaler._per_optimizer_states)
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0], inf=True) + _loss(nets[1]))
+    recipe.step(opts[0])  # outside any iteration (Fabric): B's gradients wait, the update is owed
     assert recipe.state_dict()["scale"] == 2.0**9
-    assert recipe.scaler.get_scale() == 2.0**10  # the live run: untouched
-    assert recipe.scaler._per_optimizer_states == states
+    assert recipe.scaler.get_scale() == 2.0**10  # the live run: untouched (and `_Untouched` saw no write)
     assert recipe.updates == 0
     recipe.iteration_start()
     assert recipe.scaler.state_dict() == recipe.state_dict()
@@ -251,101 +440,94 @@ def test_state_dict_outside_an_iteration_holds_the_owed_update_and_changes_nothi
 def test_the_owed_update_in_a_state_dict_is_torchs_update(inf):
     """The state a save holds is what ``scaler.update()`` leaves, computed by torch's own kernel (growth, back-off and
     the growth tracker), and asking for it leaves the live run alone (a save between clipping and the step)."""
-    net, opt, twin, twin_opt = _twins()
-    # growth_interval=2: the growth tracker counts too
-    recipe = GradScalerRecipe(cpu_grad_scaler(init_scale=2.0**10, growth_interval=2))
-    scaler = cpu_grad_scaler(init_scale=2.0**10, growth_interval=2)
+    [net], [opt], [twin], [twin_opt], _, _ = _fit()
+    recipe = GradScalerRecipe(_scaler(growth_interval=2))  # the growth tracker counts too
+    recipe.track(opt)
+    scaler = _scaler(growth_interval=2)
     for i in range(3):
-        with recipe.backward():
-            recipe.scale(_loss(net, inf and i == 1)).backward()
+        _backward(recipe, _loss(net, inf and i == 1))
         recipe.unscale(opt)
         projected = recipe.state_dict(include_owed_update=True)
         recipe.step(opt)
-        recipe.iteration_end()
         opt.zero_grad()
-        scaler.scale(_loss(twin, inf and i == 1)).backward()
-        scaler.step(twin_opt)
-        scaler.update()
+        _torch_step(scaler, _loss(twin, inf and i == 1), twin_opt)
         twin_opt.zero_grad()
         assert projected == scaler.state_dict() == recipe.scaler.state_dict()
     assert _same(net, twin)
 
 
-def test_finish_applies_the_update_owed_outside_an_iteration():
-    """A step in ``on_train_epoch_end`` is the last of the run: its update is applied when training ends, as the recipe
-    applies it right after the step."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.scale(_loss(net, inf=True)).backward()
+# ---- single transitions and refusals ---------------------------------------------------------------------------------
+
+
+def test_unscale_is_idempotent_and_reads_the_users_own_unscale():
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
+    _backward(recipe, _loss(net))
+    recipe.scaler.unscale_(opt)  # the user, following torch's recipe
+    recipe.unscale(opt)  # clipping: not a second unscale
     recipe.step(opt)
-    recipe.finish()
-    assert recipe.scaler.get_scale() == 2.0**9
-    assert recipe.updates == 1
+    scaler.scale(_loss(twin)).backward()
+    scaler.unscale_(twin_opt)
+    scaler.step(twin_opt)
+    scaler.update()
+    assert _same(net, twin)
+    assert recipe.scaler.state_dict() == scaler.state_dict()
 
 
-def test_a_closure_under_the_scaler_raises_as_torch_does():
-    """torch's scaler refuses closures; a closure that runs the backward after ``zero_grad`` would otherwise leave
-    scaled gradients for a plain step."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    before = copy.deepcopy(net)
-
-    def closure():
-        opt.zero_grad()
-        with recipe.backward():
-            recipe.scale(_loss(net)).backward()
-
-    with pytest.raises(RuntimeError, match="does not support closures"):
-        recipe.step(opt, closure=closure)
-    assert _same(net, before)
-
-
-def test_every_step_goes_through_the_scalers_unscale():
-    """FSDP's ``ShardedGradScaler.unscale_`` all-reduces the inf check: a rank whose shard got no gradients must call it
-    too, in the same order, or the all-reduces of two ranks pair across iterations."""
-    net, opt, _, _ = _twins()
-    scaler = _scaler()
-    unscaled = []
-    unscale_ = scaler.unscale_
-    scaler.unscale_ = lambda optimizer: (unscaled.append(optimizer), unscale_(optimizer))[1]
-    recipe = GradScalerRecipe(scaler)
-    before = copy.deepcopy(net)
-    recipe.scale(torch.ones(()))  # the other ranks' backward
-    recipe.step(opt)  # no gradients here
-    assert unscaled == [opt]
-    assert not recipe.step_was_skipped(opt)
-    assert _same(net, before)
-
-
-def test_a_step_on_an_inf_check_recorded_by_clipping_is_skipped():
-    """Clipped (unscaled, inf found), then ``zero_grad()``, then stepped: torch counts the step as skipped, and so does
-    the skip signal."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    with recipe.backward():
-        recipe.scale(_loss(net, inf=True)).backward()
+def test_a_scaled_backward_onto_unscaled_gradients_is_refused_at_the_step():
+    """Unscaled, not stepped, and a scaled backward reaches the parameters: the gradients mix two scales. The step and
+    clipping refuse them and change nothing; zeroed, the optimizer goes on (the update comes before the backward)."""
+    [net], [opt], _, _, recipe, _ = _fit()
+    _backward(recipe, _loss(net))
     recipe.unscale(opt)
+    _backward(recipe, _loss(net))
+    before = copy.deepcopy(net)
+    for event in (lambda: recipe.unscale(opt), lambda: recipe.step(opt)):
+        with pytest.raises(RuntimeError, match="they now mix two scales"):
+            event()
+    assert _same(net, before)
     opt.zero_grad()
+    _backward(recipe, _loss(net))
     recipe.step(opt)
-    assert recipe.step_was_skipped(opt)
-    recipe.iteration_end()
-    assert recipe.scaler.get_scale() == 2.0**9
+    assert not _same(net, before)
 
 
-def test_gradients_unscaled_in_an_earlier_iteration_and_zeroed_step_as_torch_steps():
-    """Clipped in one iteration and not stepped, zeroed with ``zero_grad(set_to_none=False)`` in the next, then stepped:
-    nothing unscaled remains, so the step is taken (torch takes it), on the zeros."""
-    net, opt, twin, twin_opt = _twins()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_unscaled_then_cleared_gradients(set_to_none):
+    """Unscaled, zeroed, then a backward: cleared (``None``), nothing waits and the update comes first, as in torch's
+    loop. Zeros (``set_to_none=False``) are gradients written since the update (metadata only, no value is read), so
+    the update waits and the backward onto the unscaled optimizer is refused: torch would step on them unscaled."""
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
+    _backward(recipe, _loss(net, inf=True))
+    recipe.unscale(opt)
+    opt.zero_grad(set_to_none=set_to_none)
+    _backward(recipe, _loss(net))
+    if not set_to_none:
+        with pytest.raises(RuntimeError, match="mix two scales"):
+            recipe.step(opt)
+        return
+    recipe.step(opt)
+    scaler.scale(_loss(twin, inf=True)).backward()
+    scaler.unscale_(twin_opt)
+    scaler.update()
+    twin_opt.zero_grad()
+    _torch_step(scaler, _loss(twin), twin_opt)
+    assert _same(net, twin)
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+
+
+def test_a_step_on_gradients_unscaled_before_the_update_is_refused_until_they_are_written():
+    """Clipped in one iteration and not stepped: the update at its end leaves them unscaled with the old scale. A step
+    on them as they are is refused (torch would unscale them a second time); zeroed in place, the step is taken on the
+    zeros, as torch takes it."""
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(momentum=0.9)
     recipe.iteration_start()
-    recipe.scale(_loss(net)).backward()
+    _backward(recipe, _loss(net))
     recipe.unscale(opt)
     recipe.iteration_end()
+    with pytest.raises(RuntimeError, match="unscaled before the loss scale was updated"):
+        recipe.step(opt)
     opt.zero_grad(set_to_none=False)
     recipe.step(opt)
-    recipe.iteration_end()
     scaler.scale(_loss(twin)).backward()
     scaler.unscale_(twin_opt)
     scaler.update()
@@ -357,25 +539,50 @@ def test_gradients_unscaled_in_an_earlier_iteration_and_zeroed_step_as_torch_ste
     assert _same(net, twin)
 
 
-def test_a_step_outside_an_iteration_is_settled_when_the_next_one_starts():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.iteration_start()
-    recipe.scale(_loss(net, inf=True)).backward()
-    recipe.iteration_end()
-    recipe.step(opt)  # e.g. `on_train_epoch_end`
-    recipe.iteration_start()
-    assert recipe.scaler.get_scale() == 2.0**9  # before the next loss is scaled
+def test_a_second_step_before_the_update_while_other_gradients_wait_is_refused():
+    """A steps, a backward for its next step reaches it while B holds gradients of this scale: the update A's first
+    step owes cannot come (B's gradients would be unscaled with another scale), and torch refuses a second step."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+    recipe.step(opts[0])
+    opts[0].zero_grad()
+    _backward(recipe, _loss(nets[0]))
+    before = copy.deepcopy(nets[0])
+    with pytest.raises(RuntimeError, match="a backward for its next step ran while another optimizer"):
+        recipe.step(opts[0])
+    assert _same(nets[0], before)
+    recipe.step(opts[1])  # B steps: the update follows
+    assert recipe.updates == 1
 
 
-def test_a_step_without_gradients_is_a_plain_step():
-    """torch's scaler fails with a bare "No inf checks were recorded"; there is nothing to step on, nothing to skip."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+def test_a_closure_under_the_scaler_raises_as_torch_does():
+    """torch's scaler refuses closures; a closure that runs the backward after ``zero_grad`` would otherwise leave
+    scaled gradients for a plain step."""
+    [net], [opt], _, _, recipe, _ = _fit()
     before = copy.deepcopy(net)
+
+    def closure():
+        opt.zero_grad()
+        _backward(recipe, _loss(net))
+
+    with pytest.raises(RuntimeError, match="does not support closures"):
+        recipe.step(opt, closure=closure)
+    assert _same(net, before)
+
+
+def test_a_step_without_gradients_is_a_plain_step(monkeypatch):
+    """Nothing to unscale or skip on: no ``unscale_``, and the optimizer's own step (torch's scaler fails with a bare
+    "No inf checks were recorded"). FSDP's scaler, which all-reduces its inf checks, is the sharded test's below."""
+    [net], [opt] = _fit()[:2]
+    recipe = GradScalerRecipe(cpu_grad_scaler(init_scale=2.0**10))
+    recipe.track(opt)
+    unscaled = []
+    monkeypatch.setattr(recipe.scaler, "unscale_", unscaled.append)
+    before = copy.deepcopy(net)
+    recipe.scale(torch.ones(()))  # another network's loss
     recipe.step(opt)
+    assert unscaled == []
     assert not recipe.step_was_skipped(opt)
-    recipe.iteration_end()
     assert _same(net, before)
     scaler = _scaler()
     scaler.scale(torch.ones(()))
@@ -383,32 +590,172 @@ def test_a_step_without_gradients_is_a_plain_step():
         scaler.step(opt)
 
 
+def test_a_step_on_an_inf_check_recorded_by_clipping_is_skipped():
+    """Clipped (unscaled, inf found), zeroed, then stepped: torch counts the step as skipped, and so does the signal."""
+    [net], [opt], _, _, recipe, _ = _fit()
+    _backward(recipe, _loss(net, inf=True))
+    recipe.unscale(opt)
+    opt.zero_grad()
+    recipe.step(opt)
+    assert recipe.step_was_skipped(opt)
+    assert recipe.scaler.get_scale() == 2.0**9
+
+
+def test_an_unscale_without_gradients_leaves_no_state_behind():
+    """Clipping in an iteration without a backward reaching the optimizer unscales nothing: gradients assigned next
+    (gradient surgery) are unscaled as in torch's recipe."""
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
+    for iteration in ("backward", "clip only", "surgery"):
+        recipe.iteration_start()
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        if iteration == "backward":
+            _backward(recipe, _loss(net))
+            scaler.scale(_loss(twin)).backward()
+        elif iteration == "surgery":
+            # as the docs say: `torch.autograd.grad` of the loss scaled by the plugin's scaler itself
+            for params, scaled in ((net, recipe.scaler.scale(_loss(net))), (twin, scaler.scale(_loss(twin)))):
+                for p, g in zip(params.parameters(), torch.autograd.grad(scaled, list(params.parameters()))):
+                    p.grad = g
+        else:
+            recipe.scale(torch.ones(()))  # another network's loss: a backward since the step, so clipping unscales
+        recipe.unscale(opt)  # clipping
+        assert id(opt) not in recipe.scaler._per_optimizer_states or iteration != "clip only"
+        if iteration != "clip only":
+            recipe.step(opt)
+            scaler.unscale_(twin_opt)
+            scaler.step(twin_opt)
+            scaler.update()
+        recipe.iteration_end()
+        assert _same(net, twin), iteration
+    assert recipe.scaler.state_dict() == scaler.state_dict()
+
+
+def test_the_scaler_guard_sees_a_write_from_outside_torch():
+    """The check every test here runs (:class:`_Untouched`) catches what the removed mechanisms did: moving or deleting
+    an entry of ``_per_optimizer_states``, an entry created by reading the ``defaultdict`` with ``[]``, an in-place edit
+    of an inf check, an attribute set."""
+    [net], [opt], _, _, _, _ = _fit()
+    writes = [
+        lambda s: s._per_optimizer_states.__setitem__(-1, s._per_optimizer_states.pop(id(opt))),
+        lambda s: s._per_optimizer_states[id(net)],
+        lambda s: next(iter(s._per_optimizer_states[id(opt)]["found_inf_per_device"].values())).zero_(),
+        lambda s: setattr(s, "_per_optimizer_states", {}),
+    ]
+    for write in writes:
+        scaler = _scaler()
+        opt.zero_grad()
+        scaler.scale(_loss(net)).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="outside torch"):
+            write(scaler)
+            scaler.verify()
+        _SCALERS.remove(scaler)
+
+
+def test_disabled_scaler_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"enabled=False.*bf16-mixed"):
+        _check_scaler_is_enabled(cpu_grad_scaler(enabled=False), "`MixedPrecision`")
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            cuda_scaler = cuda_grad_scaler()
+        with pytest.raises(ValueError, match=r"CUDA is not available.*GradScaler\('cpu'\)"):
+            _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")
+    _check_scaler_is_enabled(_scaler(), "`MixedPrecision`")
+    _check_scaler_is_enabled(None, "`MixedPrecision`")
+
+
+# ---- the skip signal -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
+def test_the_skip_signal_survives_the_update(fused):
+    """torch's ``update()`` sums the inf checks of all optimizers into the first one, in place: an optimizer whose step
+    was not skipped must not read as skipped after the update because another one's was. A fused optimizer's answer is
+    always its inf check."""
+    nets = _fit(2)[0]
+    opts = [torch.optim.Adam(net.parameters(), lr=0.1, fused=fused) for net in nets]
+    recipe = GradScalerRecipe(_scaler())
+    for opt in opts:
+        recipe.track(opt)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1], inf=True))
+    for opt in opts:
+        recipe.step(opt)  # the last one's step is followed by the update
+    assert recipe.updates == 1
+    assert [recipe.step_was_skipped(opt) for opt in opts] == [False, True]
+    assert int(recipe.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
+def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the_host(fused, monkeypatch):
+    """torch's scaler runs ``optimizer.step()`` only without an inf/NaN, so whether ``step()`` ran tells the skip:
+    telling so reads nothing from the device (a step-interval scheduler asks after every step). A fused optimizer, which
+    checks inf/NaN in its own kernel, reads its inf check when asked, and not at all with ``sync=False``."""
+    [net] = _fit()[0]
+    opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=fused)
+    recipe = GradScalerRecipe(_scaler())
+    recipe.track(opt)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    for inf in (False, True, False):
+        opt.zero_grad()
+        _backward(recipe, _loss(net, inf=inf))
+        recipe.step(opt)
+        before = len(reads)
+        assert recipe.step_was_skipped(opt, sync=False) is (inf and not fused)
+        assert len(reads) == before
+        assert recipe.step_was_skipped(opt) is inf
+        assert len(reads) - before == (1 if fused else 0)
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
+def test_the_skip_count_keeps_no_tensor_per_step(fused):
+    """The count of skipped steps keeps the inf checks it cannot decide on the host, and only up to a bound: a long run
+    that nobody asks for its count holds no tensor per step."""
+    [net] = _fit()[0]
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused)
+    recipe = GradScalerRecipe(_scaler())
+    recipe.track(opt)
+    for i in range(100):
+        opt.zero_grad()
+        _backward(recipe, _loss(net, inf=i % 10 == 0))
+        recipe.step(opt)
+    assert len(recipe._fused_found_infs) < (64 if fused else 1)
+    assert int(recipe.skipped_steps) == 10
+
+
+# ---- the opt-in misuse watch -----------------------------------------------------------------------------------------
+
+
 def test_watch_holds_what_it_watches_weakly():
     """The watch knows its optimizers and parameters by identity, weakly: once collected they leave it, so a new
     optimizer or parameter that CPython gives the same ``id()`` (an inner-loop optimizer created per step) is watched
     too, not taken for one already watched."""
     recipe = GradScalerRecipe(_scaler())
-    net, opt, _, _ = _twins()
+    [net], [opt] = _fit()[:2]
     recipe.watch_unscaled_backward([opt])
     assert recipe.watched == 3  # the optimizer, the weight and the bias
     del net, opt
     gc.collect()
     assert recipe.watched == 0
-    net, opt, _, _ = _twins()
+    [net], [opt] = _fit()[:2]
     recipe.watch_unscaled_backward([opt])
     _loss(net).backward()
     with pytest.raises(RuntimeError, match="a backward without the loss scale accumulated"):
         recipe.step(opt)
+    recipe.unwatch()
 
 
-def test_watch_flags_a_plain_backward_at_the_step():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+def test_watch_flags_a_plain_backward_at_the_step_and_before_a_scaled_one():
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.watch_unscaled_backward([opt])
     before = copy.deepcopy(net)
     _loss(net).backward()
     with pytest.raises(RuntimeError, match="without the loss scale"):
         recipe.step(opt)
+    with pytest.raises(RuntimeError, match="without the loss scale"):
+        _backward(recipe, _loss(net))
     assert _same(net, before)
     recipe.unwatch()
 
@@ -438,10 +785,11 @@ class _PausedScaledBackward:
 
     def _run(self) -> None:
         try:
-            with self._recipe.backward():
-                loss = self._recipe.scale(_loss(self._net))
-                loss.register_hook(self._pause)
+            loss = self._recipe.scale(_loss(self._net))
+            loss.register_hook(self._pause)
+            with self._recipe.watch.scaled_backward():
                 loss.backward()
+            self._recipe.after_backward()
         except Exception as error:  # surfaced in the test's thread
             self.errors.append(error)
         finally:
@@ -473,13 +821,14 @@ def _in_a_thread(fn, engine_thread: bool = False) -> None:
         assert done.is_set()
 
 
-def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_nothing():
-    """Two runs (two plugins, e.g. two Trainers in two threads of a hyper-parameter search): while the scaled backward
-    of one is in flight in its thread, a backward without the scale onto the other's parameters, in another thread, is
-    still seen. The count of scaled backwards in flight belongs to a run, not to the process."""
-    net_a, opt_a, twin_a, twin_opt_a = _twins()
-    net_b, opt_b, _, _ = _twins()
-    recipe_a, recipe_b, scaler = GradScalerRecipe(_scaler()), GradScalerRecipe(_scaler()), _scaler()
+@pytest.mark.parametrize("runs", [2, 1], ids=["two-runs", "one-run"])
+def test_watch_sees_a_backward_without_the_scale_in_another_thread(runs):
+    """While the scaled backward of run A is in flight in its thread, a backward without the scale onto B's parameters,
+    in this thread, is still seen: the count of scaled backwards in flight belongs to a run (two Trainers in two threads
+    of a hyper-parameter search), and within a run to the thread that runs it. A trains as torch's recipe."""
+    [net_a], [opt_a], [twin_a], [twin_opt_a], recipe_a, scaler = _fit()
+    [net_b], [opt_b] = _fit()[:2]
+    recipe_b = GradScalerRecipe(_scaler()) if runs == 2 else recipe_a
     recipe_a.watch_unscaled_backward([opt_a])
     recipe_b.watch_unscaled_backward([opt_b])
     paused = _PausedScaledBackward(recipe_a, net_a)
@@ -487,32 +836,11 @@ def test_watch_belongs_to_its_run_a_scaled_backward_in_another_thread_hides_noth
     paused.finish()
     with pytest.raises(RuntimeError, match="without the loss scale"):
         recipe_b.step(opt_b)
-    recipe_a.step(opt_a)  # A's gradients carry the scale: A trains as torch's recipe
-    scaler.scale(_loss(twin_a)).backward()
-    scaler.step(twin_opt_a)
+    recipe_a.step(opt_a)
+    _torch_step(scaler, _loss(twin_a), twin_opt_a)
     assert _same(net_a, twin_a)
     recipe_a.unwatch()
     recipe_b.unwatch()
-
-
-def test_watch_sees_a_backward_without_the_scale_in_another_thread_of_the_same_run():
-    """One run, two threads: while a scaled backward is in flight in one, a backward without the scale in the other is
-    still seen (the watch counts scaled backwards by the thread that runs them), and the scaled one trains as torch's
-    recipe."""
-    net_a, opt_a, twin_a, twin_opt_a = _twins()
-    net_b, opt_b, _, _ = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
-    recipe.watch_unscaled_backward([opt_a, opt_b])
-    paused = _PausedScaledBackward(recipe, net_a)
-    _loss(net_b).backward()  # this thread, during the scaled backward in the other
-    paused.finish()
-    with pytest.raises(RuntimeError, match="without the loss scale"):
-        recipe.step(opt_b)
-    recipe.step(opt_a)
-    scaler.scale(_loss(twin_a)).backward()
-    scaler.step(twin_opt_a)
-    assert _same(net_a, twin_a)
-    recipe.unwatch()
 
 
 @pytest.mark.parametrize("scaled_on_engine_thread", [True, False], ids=["scaled-on-engine", "plain-on-engine"])
@@ -522,9 +850,7 @@ def test_watch_goes_by_the_runs_count_on_the_engines_threads(scaled_on_engine_th
     thread. So a hook on an engine thread, or any hook while a scaled backward runs on one, counts as scaled while the
     run has a scaled backward in flight: never a false error (a concurrent misuse there goes unseen, as documented).
     Emulated with threads that Python's ``threading`` did not start."""
-    net_a, opt_a, _, _ = _twins()
-    net_b, opt_b, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+    (net_a, net_b), (opt_a, opt_b), _, _, recipe, _ = _fit(2)
     recipe.watch_unscaled_backward([opt_a, opt_b])
     paused = _PausedScaledBackward(recipe, net_a, engine_thread=scaled_on_engine_thread)
     _in_a_thread(lambda: _loss(net_b).backward(), engine_thread=not scaled_on_engine_thread)
@@ -536,8 +862,7 @@ def test_watch_goes_by_the_runs_count_on_the_engines_threads(scaled_on_engine_th
 
 @pytest.mark.parametrize("engine_thread", [False, True], ids=["python-thread", "engine-thread"])
 def test_watch_refuses_a_backward_without_the_scale_in_any_thread_when_none_is_scaled(engine_thread):
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.watch_unscaled_backward([opt])
     _in_a_thread(lambda: _loss(net).backward(), engine_thread=engine_thread)
     with pytest.raises(RuntimeError, match="without the loss scale"):
@@ -559,279 +884,99 @@ def test_watch_takes_a_reentrant_checkpoint_for_the_scaled_backward_it_is_part_o
     twin = copy.deepcopy(net)
     opt, twin_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
     recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    recipe.track(opt)
     recipe.watch_unscaled_backward([opt])
     for _ in range(3):
-        with recipe.backward():
-            recipe.scale(loss_of(net)).backward()
+        _backward(recipe, loss_of(net))
         recipe.step(opt)
-        recipe.iteration_end()
         opt.zero_grad()
-        scaler.scale(loss_of(twin)).backward()
-        scaler.step(twin_opt)
-        scaler.update()
+        _torch_step(scaler, loss_of(twin), twin_opt)
         twin_opt.zero_grad()
     assert _same(net, twin)
     assert recipe.scaler.get_scale() == scaler.get_scale()
     recipe.unwatch()
 
 
-def test_watch_flags_a_plain_backward_before_a_scaled_one():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    recipe.watch_unscaled_backward([opt])
-    _loss(net).backward()
-    with pytest.raises(RuntimeError, match="without the loss scale"), recipe.backward():
-        recipe.scale(_loss(net)).backward()
-
-
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_watch_forgets_a_plain_backward_whose_gradients_were_cleared(set_to_none):
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     recipe.watch_unscaled_backward([opt])
     _loss(net).backward()  # e.g. to log gradient norms in fp32
     opt.zero_grad(set_to_none=set_to_none)
-    with recipe.backward():
-        recipe.scale(_loss(net)).backward()
+    _backward(recipe, _loss(net))
     recipe.step(opt)
-    scaler.scale(_loss(twin)).backward()
-    scaler.step(twin_opt)
+    _torch_step(scaler, _loss(twin), twin_opt)
     assert _same(net, twin)
+    recipe.unwatch()
 
 
 def test_watch_does_not_flag_assigned_gradients():
     """Gradient surgery: ``autograd.grad`` of the scaled loss, assigned to ``.grad``; not an accumulation."""
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     recipe.watch_unscaled_backward([opt])
     grads = torch.autograd.grad(recipe.scaler.scale(_loss(net)), list(net.parameters()))
     for p, g in zip(net.parameters(), grads):
         p.grad = g
     recipe.step(opt)
-    scaler.scale(_loss(twin)).backward()
-    scaler.step(twin_opt)
+    _torch_step(scaler, _loss(twin), twin_opt)
     assert _same(net, twin)
+    recipe.unwatch()
 
 
 def test_watch_refuses_a_raw_step_on_scaled_gradients_and_allows_the_users_scaler_step():
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     recipe.watch_unscaled_backward([opt])
-    with recipe.backward():
-        recipe.scale(_loss(net)).backward()
+    _backward(recipe, _loss(net))
     before = copy.deepcopy(net)
     with pytest.raises(RuntimeError, match="raw optimizer"):
         opt.step()
     assert _same(net, before)
     recipe.scaler.step(opt)  # the user drives the scaler: allowed
-    scaler.scale(_loss(twin)).backward()
-    scaler.step(twin_opt)
+    _torch_step(scaler, _loss(twin), twin_opt)
     assert _same(net, twin)
     recipe.unwatch()
     assert not opt._optimizer_step_pre_hooks
 
 
-def test_disabled_scaler_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"enabled=False.*bf16-mixed"):
-        _check_scaler_is_enabled(cpu_grad_scaler(enabled=False), "`MixedPrecision`")
-    if not torch.cuda.is_available():
-        with pytest.warns(UserWarning, match="CUDA is not available"):
-            cuda_scaler = cuda_grad_scaler()
-        with pytest.raises(ValueError, match=r"CUDA is not available.*GradScaler\('cpu'\)"):
-            _check_scaler_is_enabled(cuda_scaler, "`MixedPrecision`")
-    _check_scaler_is_enabled(_scaler(), "`MixedPrecision`")
-    _check_scaler_is_enabled(None, "`MixedPrecision`")
-
-
-def test_a_refused_backward_changes_nothing():
-    """A scaled backward refused (a plain ``loss.backward()`` left gradients without the scale) is refused before any
-    transition: the optimizer that had stepped is still stepped, so a later unscale does not divide its gradients by
-    the scale a second time."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+def test_watch_refusing_a_backward_changes_nothing():
+    """A scaled backward refused (a plain ``loss.backward()`` left gradients without the scale) leaves the gradients,
+    torch's stage and the scale as they were."""
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.watch_unscaled_backward([opt])
-    recipe.iteration_start()
-    loss = recipe.scale(_loss(net))
-    with recipe.backward():
-        loss.backward()
+    _backward(recipe, _loss(net))
     recipe.step(opt)
     _loss(net).backward()  # the misuse: a backward without the scale
-    grads = [p.grad.clone() for p in net.parameters()]
+    grads, state = [p.grad.clone() for p in net.parameters()], recipe.scaler.state_dict()
     with pytest.raises(RuntimeError, match="without the loss scale"):
-        recipe.scale(_loss(net), optimizers=lambda: [opt])
-    assert recipe.stage(opt) is OptState.STEPPED
-    assert recipe.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
+        _backward(recipe, _loss(net))
+    assert recipe.scaler._per_optimizer_states.get(id(opt)) is None  # READY, as after the update
+    assert recipe.scaler.state_dict() == state
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+    recipe.unwatch()
 
 
-def test_the_watch_ends_after_its_first_updates():
-    """The watch for backwards without the scale looks at the first iterations only: then its hooks are gone and it
-    costs nothing per step; arming it again (the next fit, the next ``fabric.setup``) opens a new window."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
+def test_the_watch_ends_after_its_first_updates_and_end_fit_removes_it():
+    """The watch looks at the first updates only: then its hooks are gone and it costs nothing per step; arming it
+    again (the next fit, the next ``fabric.setup``) opens a new window; the end of the fit removes it."""
+    [net], [opt], _, _, recipe, _ = _fit()
     recipe.watch_unscaled_backward([opt])
     watched = recipe.watched
     assert watched == 1 + len(list(net.parameters()))
     for i in range(WATCHED_UPDATES):
         assert recipe.watched == watched, i
-        recipe.iteration_start()
-        loss = recipe.scale(_loss(net))
-        with recipe.backward():
-            loss.backward()
+        _backward(recipe, _loss(net))
         recipe.step(opt)
-        recipe.iteration_end()
         opt.zero_grad()
     assert recipe.watched == 0
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
     recipe.watch_unscaled_backward([opt])
     assert recipe.watched == watched
+    recipe.end_fit()
+    assert (recipe.watched, recipe.watch) == (0, None)
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters()) and not opt._optimizer_step_pre_hooks
 
 
-@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
-def test_the_skip_signal_survives_the_update(fused):
-    """torch's ``update()`` sums the inf checks of all optimizers into the first one, in place: an optimizer whose step
-    was not skipped must not read as skipped after the update because another one's was (found by the random event
-    sequences below). A fused optimizer's answer is always its inf check."""
-    torch.manual_seed(0)
-    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
-    opts = [torch.optim.Adam(net.parameters(), lr=0.1, fused=fused) for net in nets]
-    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: opts)
-    recipe.iteration_start()
-    with recipe.backward():
-        recipe.scale(_loss(nets[0]) + _loss(nets[1], inf=True), optimizers=lambda: opts).backward()
-    for opt in opts:
-        recipe.step(opt)  # the last one's step is followed by the update
-    assert recipe.updates == 1
-    assert [recipe.step_was_skipped(opt) for opt in opts] == [False, True]
-    recipe.iteration_end()
-    assert int(recipe.skipped_steps) == 1
-
-
-@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
-def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the_host(fused, monkeypatch):
-    """torch's scaler runs ``optimizer.step()`` only without an inf/NaN, so whether ``step()`` ran tells the skip:
-    telling so reads nothing from the device (a step-interval scheduler asks after every step). A fused optimizer, which
-    checks inf/NaN in its own kernel, reads its inf check when asked, and not at all with ``sync=False``."""
-    torch.manual_seed(0)
-    net = nn.Linear(4, 2)
-    opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=fused)
-    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
-    reads = []
-    item = torch.Tensor.item
-    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
-    for inf in (False, True, False):
-        opt.zero_grad()
-        with recipe.backward():
-            recipe.scale(_loss(net, inf=inf), optimizers=lambda: [opt]).backward()
-        recipe.step(opt)
-        before = len(reads)
-        assert recipe.step_was_skipped(opt, sync=False) is (inf and not fused)
-        assert len(reads) == before
-        assert recipe.step_was_skipped(opt) is inf
-        assert len(reads) - before == (1 if fused else 0)
-
-
-@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=requires_cpu_fused("Adam"))])
-def test_the_skip_count_keeps_no_tensor_per_step(fused):
-    """The count of skipped steps keeps the inf checks it cannot decide on the host, and only up to a bound: a long run
-    that nobody asks for its count holds no tensor per step."""
-    torch.manual_seed(0)
-    net = nn.Linear(4, 2)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused)
-    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
-    for i in range(100):
-        opt.zero_grad()
-        with recipe.backward():
-            recipe.scale(_loss(net, inf=i % 10 == 0), optimizers=lambda: [opt]).backward()
-        recipe.step(opt)
-    assert len(recipe._skips._pending) < (64 if fused else 11)
-    assert int(recipe.skipped_steps) == 10
-
-
-def test_the_step_hook_of_the_skip_signal_goes_when_training_ends():
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: [opt])
-    with recipe.backward():
-        recipe.scale(_loss(net)).backward()
-    recipe.step(opt)
-    assert len(opt._optimizer_step_post_hooks) == 1
-    recipe.finish()
-    assert len(opt._optimizer_step_post_hooks) == 0
-    assert not recipe.step_was_skipped(opt)  # still answered
-
-
-def test_a_load_consumes_the_owed_update():
-    """A step outside an iteration leaves its update owed; a load replaces the scale that update would change, so the
-    owed inf check must not reach the loaded scale at the next update."""
-    net, opt, _, _ = _twins()
-    recipe = GradScalerRecipe(_scaler())
-    with recipe.backward():
-        recipe.scale(_loss(net, inf=True)).backward()
-    recipe.step(opt)  # skipped; the update is owed
-    state = recipe.state_dict(include_owed_update=False)
-    state["scale"], state["_growth_tracker"] = 2.0**5, 0
-    recipe.load_state_dict(state)
-    opt.zero_grad()
-    recipe.iteration_start()
-    with recipe.backward():
-        recipe.scale(_loss(net)).backward()
-    recipe.step(opt)
-    recipe.iteration_end()
-    assert recipe.scaler.get_scale() == 2.0**6  # grown from the loaded scale (growth_interval=1), not backed off
-
-
-def test_an_unscale_without_gradients_leaves_no_state_behind():
-    """Clipping on an iteration without backward and without a step unscales nothing and records no inf check: torch
-    keeps an entry that no update clears, and would take the next iteration's gradients for unscaled. The recipe drops
-    it at the iteration's end, so gradients assigned next (gradient surgery) are unscaled as in torch's recipe."""
-    net, opt, twin, twin_opt = _twins()
-    recipe, scaler = GradScalerRecipe(_scaler()), _scaler()
-    for iteration in ("backward", "clip only", "surgery"):
-        recipe.iteration_start()
-        opt.zero_grad()
-        twin_opt.zero_grad()
-        if iteration == "backward":
-            with recipe.backward():
-                recipe.scale(_loss(net)).backward()
-            scaler.scale(_loss(twin)).backward()
-        elif iteration == "surgery":
-            # as the docs say: `torch.autograd.grad` of the loss scaled by the plugin's scaler itself
-            for params, scaled in ((net, recipe.scaler.scale(_loss(net))), (twin, scaler.scale(_loss(twin)))):
-                for p, g in zip(params.parameters(), torch.autograd.grad(scaled, list(params.parameters()))):
-                    p.grad = g
-        if iteration == "clip only":
-            recipe.scale(torch.ones(()))  # another network's loss: a backward since the step, so clipping unscales
-        recipe.unscale(opt)  # clipping
-        if iteration != "clip only":
-            recipe.step(opt)
-            scaler.unscale_(twin_opt)
-            scaler.step(twin_opt)
-            scaler.update()
-        recipe.iteration_end()
-        assert _same(net, twin), iteration
-    assert recipe.scaler.state_dict() == scaler.state_dict()
-
-
-def test_cleared_unscaled_gradients_keep_their_inf_check_until_a_backward_reaches_them():
-    """Clipped with an inf, zeroed, then a backward that reaches only another network, then stepped: torch skips the
-    step on the inf check its unscale recorded, and so does the recipe (a backward that reaches the cleared gradients
-    starts a fresh step cycle instead)."""
-    torch.manual_seed(0)
-    nets = [nn.Linear(4, 2), nn.Linear(4, 2)]
-    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
-    recipe = GradScalerRecipe(_scaler(), optimizers=lambda: opts)
-    recipe.iteration_start()
-    recipe.scale(_loss(nets[0], inf=True), optimizers=lambda: opts).backward()
-    recipe.unscale(opts[0])
-    opts[0].zero_grad()
-    with recipe.backward():
-        recipe.scale(_loss(nets[1]), optimizers=lambda: opts).backward()
-    recipe.step(opts[0])
-    assert recipe.step_was_skipped(opts[0])
-    with recipe.backward():
-        recipe.scale(_loss(nets[0]) + _loss(nets[1]), optimizers=lambda: opts).backward()
-    recipe.step(opts[0])  # reached: a fresh cycle, on the new gradients' own inf check
-    assert not recipe.step_was_skipped(opts[0])
+# ---- FSDP's ShardedGradScaler on two ranks ---------------------------------------------------------------------------
 
 
 def _sharded_rank(rank: int, port: int, out: str) -> None:
@@ -844,15 +989,13 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
     torch.manual_seed(0)
     net, other = nn.Linear(4, 2), nn.Linear(4, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**4, growth_interval=1)
-    recipe = GradScalerRecipe(scaler, optimizers=lambda: [opt])
+    recipe = GradScalerRecipe(ShardedGradScaler(device="cpu", init_scale=2.0**4, growth_interval=1))
+    recipe.track(opt)
     scales = []
     for i in range(3):
         recipe.iteration_start()
         # the shard of rank 1 holds no parameter of `opt`: its loss reaches only `other`
-        loss = _loss(net, inf=i == 1) if rank == 0 else _loss(other)
-        with recipe.backward():
-            recipe.scale(loss).backward()
+        _backward(recipe, _loss(net, inf=i == 1) if rank == 0 else _loss(other))
         recipe.step(opt)
         recipe.iteration_end()
         opt.zero_grad()
@@ -880,149 +1023,316 @@ def test_a_rank_whose_shard_has_no_gradients_unscales_with_the_others(tmp_path):
     assert [json.loads(out.read_text()) for out in outs] == [[32.0, 16.0, 32.0]] * 2
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# random event sequences, the recipe and torch's scaler side by side
-# --------------------------------------------------------------------------------------------------------------------
+# ---- known bugs of the update cycle (src), each a loop the design says must raise or train right ---------------------
 
 
-class _Twins:
-    """1-3 tiny networks with their own SGD(momentum) optimizers, twice: one side driven through the recipe, the
-    other through torch's ``GradScaler`` by hand, with torch's rules (one ``unscale_`` and one ``step`` per optimizer
-    between updates, the update at the iteration's end when an inf check was recorded)."""
+def _true_grads(net: nn.Module, times: int = 1) -> list:
+    twin = copy.deepcopy(net)
+    twin.zero_grad()
+    for _ in range(times):
+        _loss(twin).backward()
+    return [p.grad for p in twin.parameters()]
 
-    def __init__(self, n: int) -> None:
-        torch.manual_seed(n)
-        self.nets = [nn.Linear(4, 2) for _ in range(n)]
-        self.twins = copy.deepcopy(self.nets)
-        self.opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in self.nets]
-        self.twin_opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in self.twins]
-        self.recipe = GradScalerRecipe(_scaler(), optimizers=lambda: self.opts)
-        self.scaler = _scaler()
-        self.unscaled: set = set()  # twins' optimizers unscaled since the last update
-        self.stepped: set = set()  # ... and stepped
-        # unscaled in an earlier iteration and not stepped: torch would unscale them again, the recipe refuses the step
-        self.stale: set = set()
-        # stepped, and no scaled backward since: their gradients are the true ones they stepped on (or zeros)
-        self.unreached: set = set()
 
-    def _has_grads(self, i: int) -> bool:
+def _raises_or_holds(recipe_call, net: nn.Module, expected: list) -> None:
+    """The design's two ways: a clear error, or the true gradients; never gradients unscaled with another scale."""
+    try:
+        recipe_call()
+    except RuntimeError:
+        return
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), expected))
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: a clip after the step counts any scaled backward, not one reaching it")
+def test_a_clip_after_the_step_with_a_backward_of_another_network_since_changes_nothing():
+    """The design: "a clip or unscale of an optimizer that stepped and has received no backward since changes
+    nothing". A's step is followed by a backward of B only: clipping A divides its true gradients by the scale."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+    recipe.step(opts[0])
+    recipe.step(opts[1])
+    expected = [p.grad.clone() for p in nets[0].parameters()]
+    _backward(recipe, _loss(nets[1]))
+    _raises_or_holds(lambda: recipe.unscale(opts[0]), nets[0], expected)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: rule (c) updates while gradients wait for their step, mixing scales")
+def test_gradients_waiting_for_their_step_across_an_iteration_end_are_not_unscaled_with_another_scale():
+    """A steps every iteration, B accumulates over two: the update at the first iteration's end leaves B's gradients
+    scaled by the old scale, the second backward adds the new one, and B is unscaled with a third (0.375 x)."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    expected = _true_grads(nets[1], times=2)
+    for _ in range(2):
+        recipe.iteration_start()
+        _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+        recipe.step(opts[0])
+        opts[0].zero_grad()
+        recipe.iteration_end()
+    _raises_or_holds(lambda: recipe.unscale(opts[1]), nets[1], expected)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: a step again on gradients already stepped before the update unscales")
+def test_a_second_step_on_the_gradients_of_the_first_after_the_update():
+    """Gradients unscaled (by the step) before an update and untouched since: the next step divides them by the scale
+    again (x 1/2048) instead of refusing or stepping on them as they are."""
+    [net], [opt], _, _, recipe, _ = _fit()
+    _backward(recipe, _loss(net))
+    recipe.step(opt)
+    expected = [p.grad.clone() for p in net.parameters()]
+    _raises_or_holds(lambda: recipe.unscale(opt) or recipe.step(opt), net, expected)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: `_settle` replaces `_stale`, forgetting gradients unscaled 2 updates ago")
+def test_gradients_unscaled_two_updates_ago_are_still_refused():
+    """A is clipped in one iteration and not stepped; B steps in that one and the next (two updates): A's unscaled
+    gradients are then unscaled a second time by its clip or step (x 1/4096)."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+    recipe.unscale(opts[0])
+    expected = [p.grad.clone() for p in nets[0].parameters()]
+    recipe.step(opts[1])
+    recipe.iteration_end()
+    opts[1].zero_grad()
+    _backward(recipe, _loss(nets[1]))
+    recipe.step(opts[1])
+    recipe.iteration_end()
+    assert recipe.updates == 2
+    _raises_or_holds(lambda: recipe.unscale(opts[0]), nets[0], expected)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: a clip's in-place write makes gradients unscaled before the update fresh")
+def test_gradients_unscaled_before_the_update_and_clipped_again_are_not_unscaled_again():
+    """Clipped in one iteration, not stepped, clipped again after the update: the clip's in-place write changes the
+    version counters, the recipe takes the gradients for new ones, and the step unscales them a second time."""
+    [net], [opt], _, _, recipe, _ = _fit()
+    recipe.iteration_start()
+    _backward(recipe, _loss(net))
+    recipe.unscale(opt)
+    recipe.iteration_end()
+    recipe.unscale(opt)
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)  # multiplies by 1.0, in place
+    expected = [p.grad.clone() for p in net.parameters()]
+    _raises_or_holds(lambda: recipe.unscale(opt) or recipe.step(opt), net, expected)
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: rule (a) counts a step taken before the optimizer's current gradients")
+@pytest.mark.parametrize("first_step", ["plain", "scaled"])
+def test_the_last_step_does_not_update_while_an_earlier_stepped_optimizer_holds_new_gradients(first_step):
+    """Rule (a) holds "every optimizer stepped since the last update", but A's step came before its current gradients:
+    A stepped plainly (no gradients, nothing owed: `_stepped` is never cleared) or stepped, then was zeroed and reached
+    by a backward while B waited. B's step then applies the update, and A is unscaled with a scale that did not scale
+    its gradients (x 0.5)."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    if first_step == "plain":
+        recipe.step(opts[0])  # no gradients
+        _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+        recipe.step(opts[1])
+    else:
+        _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+        recipe.step(opts[0])
+        opts[0].zero_grad()
+        _backward(recipe, _loss(nets[0]))
+        recipe.step(opts[1])
+    _raises_or_holds(lambda: recipe.unscale(opts[0]), nets[0], _true_grads(nets[0]))
+
+
+# ---- random event sequences, the recipe and torch's scaler side by side -----------------------------------------------
+
+
+class _Reference:
+    """1-3 networks (one may be a sparse embedding) with SGD(momentum), twice: one side through the recipe, the other
+    through torch's ``GradScaler`` by hand, where this class places ``scaler.update()`` as the rule's table says, from
+    its own account of the events (never from the recipe's state). Where the recipe must refuse, it says which error,
+    and why the loop is not a correct torch loop. After every event both sides must hold the same weights, gradients,
+    skip signals and scaler state, bitwise.
+
+    The account, since the last update: ``owed`` (an unscale or scaler step happened), ``stepped`` (the recipe's view:
+    plain steps too), ``fresh`` (gradients written: reached by a backward, zeroed in place, clipped, unscaled), ``stale``
+    (unscaled, not stepped before it, untouched since), ``mixed`` (unscaled, then reached by a scaled backward),
+    ``quiet`` (stepped, no scaled backward since: a clip changes nothing), ``kept`` (holds the gradients of its last
+    step, unwritten but by clipping), ``pending`` (gradients of a scaled backward that no unscale has reached yet)."""
+
+    def __init__(self, rng: random.Random, seed: int) -> None:
+        self.n = rng.randint(1, 3)
+        sparse = (rng.randrange(self.n),) if rng.random() < 0.3 else ()
+        self.nets, self.opts, self.twins, self.twin_opts, self.recipe, self.scaler = _fit(self.n, 0.9, sparse, seed)
+        self.owed = False
+        self.stepped, self.fresh, self.stale, self.mixed, self.quiet, self.kept, self.pending = (set() for _ in range(7))
+
+    def grads(self, i: int) -> bool:
         return any(p.grad is not None for p in self.twins[i].parameters())
 
-    def _has_live_grads(self, i: int) -> bool:  # zeros (``zero_grad(set_to_none=False)``) are not
-        return any(p.grad is not None and bool(p.grad.ne(0).any()) for p in self.twins[i].parameters())
+    def stage(self, i: int) -> OptState:
+        state = self.scaler._per_optimizer_states.get(id(self.twin_opts[i]))
+        return OptState.READY if state is None else state["stage"]
 
-    def zero_grad(self, i: int, set_to_none: bool) -> None:
+    def zero_grad(self, i: int, set_to_none: bool = True) -> None:
+        if self.grads(i) and not set_to_none:
+            self.fresh.add(i)
         self.opts[i].zero_grad(set_to_none=set_to_none)
         self.twin_opts[i].zero_grad(set_to_none=set_to_none)
         self.stale.discard(i)
+        self.kept.discard(i)
+        self.pending.discard(i)
 
-    def can_backward(self, reached: list) -> bool:
-        # torch unscales an optimizer once between updates, so a backward after its unscale or its step in the
-        # iteration is not a recipe of torch's (the recipe refuses unscaled gradients that a backward reaches, and
-        # updates right after the last step); nor is one onto gradients left unscaled by an earlier iteration
-        return not any(i in self.stepped | self.unscaled or i in self.stale and self._has_grads(i) for i in reached)
+    def update(self) -> None:
+        """The reference's ``scaler.update()``, where the rule puts it. Before it, gradients that the recipe would
+        unscale with a scale that did not scale them are cleared on both sides: the known bugs above (gradients waiting
+        across (c), stepped before their gradients under (a)/(b), unscaled two updates ago), each an xfail test; the
+        sequences stay clear of them until src is fixed."""
+        if not self.owed:
+            return
+        for i in self.pending | self.stale:
+            self.zero_grad(i)
+        self.stale = {i for i in range(self.n) if self.stage(i) is OptState.UNSCALED and self.grads(i)}
+        self.scaler.update()
+        self.owed = False
+        for kept in (self.stepped, self.fresh, self.mixed):
+            kept.clear()
 
     def backward(self, reached: list, inf: bool) -> None:
-        self.unreached.clear()
-        for nets, scale in ((self.nets, None), (self.twins, self.scaler.scale)):
-            loss = sum(_loss(nets[i]) for i in reached)
-            loss = loss * float("inf") if inf else loss
-            if scale is None:
-                with self.recipe.backward():
-                    self.recipe.scale(loss, optimizers=lambda: self.opts).backward()
-            else:
-                scale(loss).backward()
+        # (b): the update comes first unless an optimizer that has not stepped holds gradients written since it
+        if not any(i not in self.stepped and self.grads(i) and i in self.fresh for i in range(self.n)):
+            self.update()
+        # torch's stage is UNSCALED (or they were unscaled before the update): torch would step on them as they are,
+        # with the new gradients still multiplied by the scale; the recipe refuses their unscale and step
+        self.mixed |= {i for i in reached if self.stage(i) is OptState.UNSCALED or i in self.stale}
+        self.fresh |= set(reached)
+        self.pending |= set(reached)
+        self.kept -= set(reached)
+        self.quiet.clear()
+        loss = sum(_loss(self.nets[i]) for i in reached)
+        _backward(self.recipe, loss * float("inf") if inf else loss)
+        loss = sum(_loss(self.twins[i]) for i in reached)
+        self.scaler.scale(loss * float("inf") if inf else loss).backward()
+
+    def refusal(self, i: int, step: bool) -> Optional[str]:
+        if i in self.mixed:
+            return "they now mix two scales"
+        if step and i in self.stale:  # torch would unscale them a second time
+            return "unscaled before the loss scale was updated"
+        if step and self.stage(i) is OptState.STEPPED:
+            # torch refuses a second step before the update, which cannot come while others wait (`backward`)
+            with pytest.raises(RuntimeError, match="already been called since the last update"):
+                self.scaler.step(self.twin_opts[i])
+            return "has already been called" if i in self.quiet else "a backward for its next step ran"
+        return None
 
     def clip(self, i: int) -> None:
-        if not self._has_grads(i):
-            return  # torch: without gradients unscale_ leaves a state no update clears
-        self.recipe.unscale(self.opts[i])  # idempotent: a second clip in a cycle does not unscale again
-        if i in self.unreached:  # clipping after the step: true gradients, nothing to unscale
-            for nets in (self.nets, self.twins):
-                torch.nn.utils.clip_grad_norm_(nets[i].parameters(), 0.05)
+        if i in self.kept and i not in self.quiet and self.stage(i) is OptState.READY or i in self.stale:
+            return  # known bugs (xfail tests): the recipe would unscale true gradients, or clipped stale ones later
+        refusal = self.refusal(i, step=False)
+        if refusal is not None:
+            with pytest.raises(RuntimeError, match=refusal):
+                self.recipe.unscale(self.opts[i])
             return
-        torch.nn.utils.clip_grad_norm_(self.nets[i].parameters(), 0.05)
-        if i not in self.unscaled | self.stale:
+        self.recipe.unscale(self.opts[i])
+        if self.grads(i) and self.stage(i) is OptState.READY and i not in self.stale | self.quiet:
             self.scaler.unscale_(self.twin_opts[i])
-            self.unscaled.add(i)
-        torch.nn.utils.clip_grad_norm_(self.twins[i].parameters(), 0.05)
+            self.owed = True
+            self.pending.discard(i)
+        if self.grads(i):
+            self.fresh.add(i)  # unscaling and clipping write in place
+            if not self.nets[i].weight.grad.is_sparse:
+                for nets in (self.nets, self.twins):
+                    torch.nn.utils.clip_grad_norm_(nets[i].parameters(), 0.05)
 
-    def step(self, i: int) -> Optional[bool]:
-        if i in self.stepped:
-            return None  # torch: one step per optimizer between updates
-        if i in self.stale and self._has_live_grads(i):
-            with pytest.raises(RuntimeError, match="unscaled in an earlier iteration"):
+    def step(self, i: int) -> None:
+        if i in self.kept and self.stage(i) is OptState.READY:
+            return  # the known bug of the third xfail test: the recipe would unscale them again
+        refusal = self.refusal(i, step=True)
+        if refusal is not None:
+            with pytest.raises(RuntimeError, match=refusal):
                 self.recipe.step(self.opts[i])
-            return None
+            return
         self.recipe.step(self.opts[i])
-        state = self.scaler._per_optimizer_states[id(self.twin_opts[i])]
-        if i not in self.unscaled and not self._has_grads(i):
+        skipped = False
+        if self.stage(i) is OptState.READY and not self.grads(i):
             self.twin_opts[i].step()  # nothing to unscale: torch's scaler would refuse, the recipe steps plainly
-            skipped = False
         else:
             self.scaler.step(self.twin_opts[i])
-            skipped = sum(v.item() for v in state["found_inf_per_device"].values()) > 0
-        self.stepped.add(i)
-        self.unreached.add(i)
+            found_infs = self.scaler._per_optimizer_states[id(self.twin_opts[i])]["found_inf_per_device"].values()
+            skipped = sum(v.item() for v in found_infs) > 0
+            self.owed = True
         assert self.recipe.step_was_skipped(self.opts[i]) is skipped
-        return skipped
+        self.stepped.add(i)
+        self.quiet.add(i)
+        self.pending.discard(i)
+        if self.grads(i):
+            self.kept.add(i)
+        if len(self.stepped) == self.n:  # (a)
+            self.update()
 
     def end_iteration(self) -> None:
         projected = self.recipe.state_dict(include_owed_update=True)
-        self.recipe.iteration_end()
-        assert self.recipe.scaler.state_dict() == projected
-        if any(s["found_inf_per_device"] for s in self.scaler._per_optimizer_states.values()):
-            self.scaler.update()
-        self.stale |= {i for i in self.unscaled - self.stepped if self._has_live_grads(i)}
-        self.unscaled.clear()
-        self.stepped.clear()
+        if self.owed:
+            for i in self.pending:
+                self.zero_grad(i)  # the known bug of the second xfail test
+        self.recipe.iteration_end()  # (c)
+        self.update()
+        assert self.recipe.scaler.state_dict() == projected == self.scaler.state_dict()
 
-    def assert_same(self, where: str, scaler: bool = False) -> None:
-        # the scaler's state only between iterations: the recipe updates right after the last optimizer's step
-        assert not scaler or self.recipe.scaler.state_dict() == self.scaler.state_dict(), where
+    def load(self) -> None:
+        # a load starts every optimizer afresh (documented): gradients unscaled before it would be unscaled again
+        for i in self.stale | (self.pending if self.owed else set()):
+            self.zero_grad(i)
+        state = self.recipe.state_dict()
+        self.recipe.load_state_dict(state)  # (c)
+        self.update()
+        self.scaler.load_state_dict(state)
+        self.stale.clear()  # a load starts every optimizer afresh: all its gradients are written since
+        self.fresh = {i for i in range(self.n) if self.grads(i)}
+
+    def save(self, include_owed_update: bool) -> None:
+        expected = copy.deepcopy(self.scaler)
+        expected.__dict__["_fingerprint"] = expected.fingerprint()  # a copy: not the run's scaler
+        if include_owed_update and self.owed:
+            expected.update()
+        assert self.recipe.state_dict(include_owed_update=include_owed_update) == expected.state_dict()
+
+    def assert_same(self, where: str) -> None:
+        assert self.recipe.scaler.state_dict() == self.scaler.state_dict(), where
         for net, twin in zip(self.nets, self.twins):
-            assert _same(net, twin), where
-            for p, q in zip(net.parameters(), twin.parameters()):
-                assert (p.grad is None) == (q.grad is None), where
-                if p.grad is not None:  # bitwise, NaN in the same places (an injected inf)
-                    torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, equal_nan=True, msg=where)
+            assert _same(net, twin) and _same_grads(net, twin), where
 
 
-@pytest.mark.parametrize("seed", range(100))
+@pytest.mark.parametrize("seed", range(150))
 def test_random_event_sequences_follow_torchs_scaler(seed):
-    """A seeded generator of event sequences: ``zero_grad`` either way, scaled backwards reaching random subsets of
-    1-3 networks, injected infs, clipping, steps, saves and loads of the scaler's state, iteration ends. After every
-    event the recipe's side must hold what torch's scaler, driven by hand, holds: weights, gradients, the skip of
-    each step, and at each iteration's end the scaler's state."""
+    """A seeded generator of event sequences over 1-3 tracked optimizers (one may hold sparse gradients):
+    ``zero_grad`` either way, scaled backwards reaching random subsets, injected infs, clipping (also after the step),
+    steps, an inner loop stepping one optimizer n times (a critic), saves, loads, iteration ends. After every event the
+    recipe's side holds what torch's scaler driven by hand holds, with the updates where the rule says."""
     rng = random.Random(seed)
-    twins = _Twins(rng.randint(1, 3))
-    n = len(twins.opts)
+    ref = _Reference(rng, seed)
     for iteration in range(6):
-        twins.recipe.iteration_start()
+        ref.recipe.iteration_start()
         for _ in range(rng.randint(1, 6)):
-            i, where = rng.randrange(n), f"seed {seed}, iteration {iteration}"
-            event = rng.choice(["zero_grad", "backward", "backward", "clip", "step", "save"])
+            i = rng.randrange(ref.n)
+            event = rng.choice(["zero_grad", "backward", "backward", "clip", "step", "step", "inner", "save"])
             print(iteration, event, i, flush=True)  # shown with a failure
             if event == "zero_grad":
-                twins.zero_grad(i, set_to_none=rng.random() < 0.5)
+                ref.zero_grad(i, set_to_none=rng.random() < 0.5)
             elif event == "backward":
-                reached = sorted(rng.sample(range(n), rng.randint(1, n)))
-                if twins.can_backward(reached):
-                    twins.backward(reached, inf=rng.random() < 0.25)
+                ref.backward(sorted(rng.sample(range(ref.n), rng.randint(1, ref.n))), inf=rng.random() < 0.25)
             elif event == "clip":
-                twins.clip(i)
+                ref.clip(i)
             elif event == "step":
-                twins.step(i)
+                ref.step(i)
+            elif event == "inner":  # `for _ in range(n_critic)`: zero, backward, (clip,) step
+                for _ in range(rng.randint(2, 3)):
+                    ref.zero_grad(i)
+                    ref.backward([i], inf=rng.random() < 0.25)
+                    if rng.random() < 0.5:
+                        ref.clip(i)
+                    ref.step(i)
             else:  # a save changes nothing
-                twins.recipe.state_dict(include_owed_update=rng.random() < 0.5)
-            twins.assert_same(f"{where}, after {event}")
-        twins.end_iteration()
-        twins.assert_same(f"seed {seed}, end of iteration {iteration}", scaler=True)
+                ref.save(include_owed_update=rng.random() < 0.5)
+            ref.assert_same(f"seed {seed}, iteration {iteration}, after {event} of {i}")
+        ref.end_iteration()
+        ref.assert_same(f"seed {seed}, end of iteration {iteration}")
         if rng.random() < 0.2:  # a resume: both load the state the run continues with
-            state = twins.recipe.state_dict()
-            twins.recipe.load_state_dict(state)
-            twins.scaler.load_state_dict(state)
-            twins.stale.clear()  # a load starts every optimizer afresh, on both sides
+            ref.load()
+            ref.assert_same(f"seed {seed}, after a load")
 
 
 if __name__ == "__main__":  # a rank of the sharded test, started by it

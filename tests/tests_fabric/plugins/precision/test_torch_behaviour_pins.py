@@ -1,8 +1,10 @@
 """Pins of the torch behaviour the fork's AMP recipe relies on: pure torch, no Lightning.
 
-The fork drives ``GradScaler`` through PyTorch's AMP recipe and, to know what a user already did through the scaler,
-reads (and in one small adapter edits) its private per-optimizer state; it turns autocast's weight cache on where that
-is safe and clears it where a cast could be stale; it relies on the ``grad_scale``/``found_inf`` protocol of fused
+The fork drives ``GradScaler`` through PyTorch's AMP recipe by its public calls only and, to know what a user already
+did through the scaler, reads (never writes) its private per-optimizer state, in one adapter
+(``amp_torch_scaler._TorchScaler``); it tells which optimizers hold gradients written since the last update from
+metadata (presence, tensor identity, version counters), never from values; it turns autocast's weight cache on where
+that is safe and clears it where a cast could be stale; it relies on the ``grad_scale``/``found_inf`` protocol of fused
 optimizers. None of that is public API. Each test here states one fact the fork depends on, and its docstring names
 the mechanism that depends on it, so that a torch release that changes the fact fails here, loudly, instead of
 training wrong. Facts that exist only from some torch on skip with a reason elsewhere (see ``torch_features``); the
@@ -146,8 +148,8 @@ def test_per_optimizer_states_is_a_defaultdict_of_ready_states():
     """``GradScaler._per_optimizer_states`` is a ``defaultdict`` keyed by ``id(optimizer)`` whose default is
     ``{"stage": OptState.READY, "found_inf_per_device": {}}``, empty when nothing was unscaled or stepped.
 
-    The fork's scaler adapter reads a stage with ``.get(id(optimizer))`` (``None`` = READY, nothing inserted), takes an
-    empty dict as "nothing unscaled since the last update", and deletes an entry to put an optimizer back to READY.
+    The fork's scaler adapter reads a stage with ``.get(id(optimizer))`` (``None`` = READY, nothing inserted; a read
+    with ``[]`` would insert an entry, a write), and takes an empty dict as "nothing unscaled since the last update".
     Checked on every torch (on torch < 2.3 without CUDA, on a scaler built as if CUDA were there).
     """
     with _constructible_scaler() as scaler:
@@ -157,6 +159,8 @@ def test_per_optimizer_states_is_a_defaultdict_of_ready_states():
     assert states.default_factory() == {"stage": OptState.READY, "found_inf_per_device": {}}
     assert states.get(12345) is None
     assert not states
+    assert states[12345]["stage"] is OptState.READY
+    assert list(states) == [12345]
 
 
 def test_disabled_scaler_has_no_per_optimizer_states():
@@ -191,8 +195,8 @@ def test_unscale_records_a_0dim_inf_check_per_device(device):
     """``unscale_`` moves the optimizer's entry to ``UNSCALED`` and records ``found_inf_per_device``: a dict device ->
     0-dim float32 tensor, 1.0 when a gradient holds inf/NaN; the gradients are divided by the scale.
 
-    The fork reads those tensors for ``step_was_skipped`` and ``skipped_steps`` without a device synchronisation, and
-    reshapes them (``reshape(1)``) to count; fused kernels read them as 0-dim.
+    The fork's adapter sums a copy of them (``_TorchScaler.found_inf``) for ``step_was_skipped`` and
+    ``skipped_steps``, read from the device only when asked; fused kernels read them as 0-dim.
     """
     scaler = new_scaler(device)
     alive = []  # torch keys its per-optimizer state by id(): a collected optimizer's id may come back
@@ -221,8 +225,8 @@ def test_unscale_twice_and_step_twice_raise(device):
     """A second ``unscale_`` of an optimizer before ``update()`` raises; so does a second ``step``.
 
     Why the fork's unscaling is idempotent (it unscales only from READY, whoever asks first: clipping, the step, or the
-    user's own ``scaler.unscale_``), and why it moves a stepped optimizer's entry aside before a second step of the same
-    optimizer in one iteration (an inner loop).
+    user's own ``scaler.unscale_``), why the update a step owes comes before the same optimizer's next backward (rule
+    (b): a critic stepped n times), and why the recipe refuses a second step where that update cannot come.
     """
     scaler = new_scaler(device)
     param, opt = param_and_sgd(device)
@@ -256,57 +260,139 @@ def test_step_from_ready_unscales_and_records_the_inf_check(device):
 
 
 @pytest.mark.parametrize("device", SCALER_DEVICES)
-def test_update_reads_every_entry_and_resets_the_state(device):
-    """``update()`` counts the inf checks of every entry of ``_per_optimizer_states``, whatever its key, then replaces
-    the dict with a fresh empty ``defaultdict``.
+def test_update_reads_every_entry_sums_into_the_first_and_resets_the_state(device):
+    """``update()`` counts the inf checks of every entry of ``_per_optimizer_states``, adding the others into the first
+    one in place, then replaces the dict with a fresh empty ``defaultdict`` (the old one is left as it was).
 
-    The fork moves a stepped optimizer's entry to a key no optimizer has (a negative number) before a second step of it
-    in the same iteration, so both steps' inf checks count in the iteration's single update; and it moves an entry the
-    user created through a wrapper (a ``LightningOptimizer`` passed to ``scaler.unscale_``) to the wrapped optimizer.
+    The fork's adapter reads ``scaler._per_optimizer_states`` anew at every call (never keeps the dict) and copies an
+    inf check before keeping it for the skip signal (``_TorchScaler.found_inf``): an optimizer that did not skip must
+    not read as skipped after the update because another one did.
     """
     scaler = new_scaler(device)
-    param, opt = param_and_sgd(device)
-    scaled_backward(scaler, param, inf=True)
-    scaler.step(opt)  # skipped: inf
-    states = scaler._per_optimizer_states
-    states[-1] = states.pop(id(opt))
-    opt.zero_grad()
+    (param, opt), (other, other_opt) = param_and_sgd(device), param_and_sgd(device)
     scaled_backward(scaler, param)
-    scaler.step(opt)  # a second step in the same iteration, finite
+    scaled_backward(scaler, other, inf=True)
+    scaler.step(opt)
+    scaler.step(other_opt)  # skipped: inf
+    states = scaler._per_optimizer_states
+    (first,) = states[id(opt)]["found_inf_per_device"].values()
+    assert first.item() == 0.0
     scaler.update()
-    assert scaler.get_scale() == INIT_SCALE / 2  # the first step's inf check counted: backed off
+    assert scaler.get_scale() == INIT_SCALE / 2  # the second optimizer's inf check counted: backed off
+    assert first.item() == 1.0  # summed into, in place
     assert isinstance(scaler._per_optimizer_states, defaultdict)
     assert not scaler._per_optimizer_states
     assert scaler._per_optimizer_states is not states
+    assert set(states) == {id(opt), id(other_opt)}
 
 
 @pytest.mark.parametrize("device", SCALER_DEVICES)
-def test_an_entry_moved_or_deleted_is_honoured(device):
-    """An ``UNSCALED`` entry moved to another key makes ``step`` of that key's optimizer skip the unscale (no double
-    unscale); a deleted entry puts the optimizer back to ``READY`` (``unscale_`` works again).
+def test_the_state_is_keyed_by_the_object_handed_to_the_scaler(device):
+    """``unscale_(wrapper)`` of an object that only forwards ``param_groups`` (a ``LightningOptimizer``) records the
+    entry under ``id(wrapper)``; the wrapped optimizer stays ``READY``, and ``update()`` counts the entry.
 
-    The fork's adapter hands a state the user created through a wrapper of the optimizer to the optimizer, and drops
-    the state of an optimizer that was unscaled without gradients.
+    The fork's adapter reads the stage of the wrappers :meth:`GradScalerRecipe.track` knows when the optimizer's own is
+    ``READY``, and steps on the inf check recorded for the wrapper instead of unscaling again.
     """
     scaler = new_scaler(device)
     param, opt = param_and_sgd(device)
-    wrapper = object()  # what the user unscaled: a wrapper of opt
-    scaled_backward(scaler, param)
-    scaler.unscale_(opt)
-    states = scaler._per_optimizer_states
-    states[id(wrapper)] = states.pop(id(opt))
-    states[id(opt)] = states.pop(id(wrapper))
-    scaler.step(opt)
-    assert torch.equal(param.detach(), torch.full((3,), 1.0 - 0.1 * 2.0, device=device))  # unscaled once
-    scaler.update()
 
-    opt.zero_grad()
-    scaled_backward(scaler, param)
+    class Wrapper:
+        param_groups = opt.param_groups
+
+    wrapper = Wrapper()
+    scaled_backward(scaler, param, inf=True)
+    scaler.unscale_(wrapper)
+    assert scaler._per_optimizer_states.get(id(opt)) is None
+    assert scaler._per_optimizer_states[id(wrapper)]["stage"] is OptState.UNSCALED
+    scaler.update()
+    assert scaler.get_scale() == INIT_SCALE / 2
+
+
+@pytest.mark.parametrize("device", SCALER_DEVICES)
+def test_unscale_without_gradients_records_an_empty_inf_check(device):
+    """``unscale_`` of an optimizer none of whose parameters has a gradient moves it to ``UNSCALED`` with an empty
+    ``found_inf_per_device``; ``update()`` then finds no inf check and raises.
+
+    The fork's adapter takes an empty dict as "no inf check recorded" (``_TorchScaler.recorded``), and the recipe does
+    not call ``unscale_`` for an optimizer without gradients on a ``GradScaler`` (FSDP's all-reduces: see below).
+    """
+    scaler = new_scaler(device)
+    param, opt = param_and_sgd(device)
+    scaler.scale((param * 2.0).sum())
     scaler.unscale_(opt)
-    del scaler._per_optimizer_states[id(opt)]
-    param.grad.mul_(scaler.get_scale())  # back to scaled, as if the unscale had not happened
-    scaler.unscale_(opt)  # READY again: no error
-    assert torch.equal(param.grad, torch.full_like(param, 2.0))
+    assert scaler._per_optimizer_states[id(opt)] == {"stage": OptState.UNSCALED, "found_inf_per_device": {}}
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+
+
+@pytest.mark.parametrize("device", SCALER_DEVICES)
+def test_scale_is_none_until_the_first_scaled_loss(device):
+    """``_scale`` is ``None`` until the first ``scale()``; ``unscale_`` before it fails with an ``AssertionError``.
+
+    The fork's adapter reads ``_scale is None`` (``_TorchScaler.has_scaled``) to turn that into an error that names the
+    plugin's backward (``loss.backward()`` instead of ``fabric.backward(loss)``).
+    """
+    scaler = new_scaler(device)
+    param, opt = param_and_sgd(device)
+    (param * 2.0).sum().backward()
+    assert scaler._scale is None
+    with pytest.raises(AssertionError):
+        scaler.unscale_(opt)
+    scaler.scale((param * 2.0).sum())
+    assert scaler._scale is not None
+
+
+@pytest.mark.parametrize("device", SCALER_DEVICES)
+def test_amp_update_scale_on_copies_is_what_update_leaves(device):
+    """``torch._amp_update_scale_(scale, growth_tracker, found_inf, growth, backoff, interval)`` on copies of the state
+    gives the scale and growth tracker that ``update()`` leaves (growth, back-off, the tracker).
+
+    The fork's ``state_dict(include_owed_update=True)`` projects the owed update that way, without touching the scaler.
+    """
+    for inf in (False, True, False, False):
+        scaler = new_scaler(device, growth_interval=2)
+        param, opt = param_and_sgd(device)
+        for step_inf in (False, inf):
+            opt.zero_grad()
+            scaled_backward(scaler, param, inf=step_inf)
+            scaler.step(opt)
+            state = scaler.state_dict()
+            (found_inf,) = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+            scale = torch.full((), state["scale"], dtype=torch.float32, device=device)
+            tracker = torch.full((), state["_growth_tracker"], dtype=torch.int32, device=device)
+            torch._amp_update_scale_(scale, tracker, found_inf.clone(), 2.0, 0.5, 2)
+            scaler.update()
+            assert (scale.item(), tracker.item()) == (scaler.get_scale(), scaler.state_dict()["_growth_tracker"])
+
+
+def test_gradient_metadata_changes_with_every_write():
+    """A backward into an existing gradient, ``zero_grad(set_to_none=False)``, ``unscale_``-like in-place writes and
+    ``clip_grad_norm_`` bump the gradient's version counter; the first backward creates the tensor, ``zero_grad()``
+    sets it to ``None``; an SGD step reads the gradient without writing it. A sparse gradient accumulates in place too.
+
+    The fork tells which optimizers hold gradients written since the last update (rule (b)), and which unscaled ones a
+    later backward reached, from exactly these: presence, identity and version counter, never from values.
+    """
+    param, opt = param_and_sgd("cpu")
+    assert param.grad is None
+    (param * 2.0).sum().backward()
+    grad, writes = param.grad, [lambda: (param * 2.0).sum().backward(), lambda: opt.zero_grad(set_to_none=False)]
+    writes += [lambda: param.grad.mul_(0.5), lambda: torch.nn.utils.clip_grad_norm_([param], 1e9)]
+    for write in writes:
+        version = grad._version
+        write()
+        assert param.grad is grad and grad._version > version
+    version = grad._version
+    opt.step()
+    assert param.grad is grad and grad._version == version
+    opt.zero_grad()
+    assert param.grad is None
+    embedding = nn.Embedding(4, 2, sparse=True)
+    embedding(torch.tensor([1])).sum().backward()
+    grad, version = embedding.weight.grad, embedding.weight.grad._version
+    embedding(torch.tensor([2])).sum().backward()
+    assert embedding.weight.grad is not grad or embedding.weight.grad._version > version
 
 
 @pytest.mark.parametrize("device", SCALER_DEVICES)
@@ -315,8 +401,8 @@ def test_no_inf_checks_assertions(device):
     recorded for this optimizer``; ``update()`` without any recorded inf check raises ``AssertionError: No inf checks
     were recorded prior to update``.
 
-    The fork turns the first into a clear error and calls ``update()`` only when an optimizer
-    stepped (or an inf check was recorded) in the iteration.
+    The fork steps an optimizer without gradients plainly (nothing to unscale or skip on), and calls ``update()``
+    only when an inf check was recorded since the last one.
     """
     scaler = new_scaler(device)
     param, opt = param_and_sgd(device)
@@ -334,8 +420,8 @@ def test_scaler_state_dict_format(device):
     """``GradScaler.state_dict()`` holds ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
     ``_growth_tracker``, and ``load_state_dict`` restores the scale.
 
-    The fork saves and loads the scaler in stock 2.6.6's checkpoint format (checkpoints load both ways), and applies a
-    pending update before saving.
+    The fork saves and loads the scaler in stock 2.6.6's checkpoint format (checkpoints load both ways), with the owed
+    update projected into the saved state (on copies) where the run continues with it.
     """
     scaler = new_scaler(device)
     param, opt = param_and_sgd(device)
@@ -480,12 +566,13 @@ def test_fused_sgd_momentum_buffers_after_a_skipped_first_step():
     TORCH < (2, 2), reason=f"ShardedGradScaler takes a device from torch 2.2 (this is {torch.__version__})"
 )
 def test_sharded_grad_scaler_records_1_element_inf_checks():
-    """``ShardedGradScaler.unscale_`` records ``found_inf_per_device`` with shape ``[1]`` (``GradScaler``: 0-dim); fused
-    Adam/AdamW stepped after it fail inside torch ("output with shape [] doesn't match the broadcast shape [1]", torch
-    2.13 and 2.14 on CPU).
+    """``ShardedGradScaler.unscale_`` records ``found_inf_per_device`` with shape ``[1]`` (``GradScaler``: 0-dim), also
+    for an optimizer without gradients (the rank's inf check all-reduced with the others'); fused Adam/AdamW stepped
+    after it fail inside torch ("output with shape [] doesn't match the broadcast shape [1]", torch 2.13 and 2.14 on
+    CPU).
 
-    The fork reads the sharded scaler's inf checks through ``reshape``, and handles fused optimizers under FSDP's
-    scaler knowing the shape differs.
+    The fork reads the sharded scaler's inf checks through ``reshape``, unscales every optimizer on every rank with FSDP's
+    scaler (gradients or not), and steps fused optimizers under it on the inf check it reads.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -504,6 +591,11 @@ def test_sharded_grad_scaler_records_1_element_inf_checks():
         scaler.step(opt)
         scaler.update()
         assert scaler.get_scale() == INIT_SCALE / 2
+        _, empty = param_and_sgd("cpu")
+        scaler.scale(torch.ones(()))
+        scaler.unscale_(empty)  # no gradients: still an inf check, on the scaler's device
+        (found_inf,) = scaler._per_optimizer_states[id(empty)]["found_inf_per_device"].values()
+        assert (found_inf.shape, found_inf.item()) == ((1,), 0.0)
     finally:
         if created:
             dist.destroy_process_group()
@@ -576,18 +668,20 @@ def test_autocast_cache_is_cleared_by_the_outermost_exit_only():
 
 
 @requires_cpu_grad_scaler
-def test_step_pre_hook_sees_scaler_steps_but_not_skipped_ones():
-    """``Optimizer.register_step_pre_hook`` (torch 2.0) fires for every ``optimizer.step()`` call, also the one
-    ``GradScaler.step`` makes; the scaler does not call ``step()`` of a for-loop optimizer whose step it skips (inf),
-    while a fused optimizer is always called (its kernel skips on ``found_inf``).
+def test_step_hooks_see_scaler_steps_but_not_skipped_ones():
+    """``Optimizer.register_step_pre_hook``/``register_step_post_hook`` (torch 2.0) fire for every ``optimizer.step()``
+    call, also the one ``GradScaler.step`` makes; the scaler does not call ``step()`` of a for-loop optimizer whose step
+    it skips (inf), while a fused optimizer is always called (its kernel skips on ``found_inf``).
 
-    One way the fork can see a raw optimizer stepped outside its recipe.
+    The recipe's skip signal: whether its post hook ran tells a skipped for-loop step without reading the device; the
+    opt-in watch's pre hook sees a raw optimizer stepped outside the recipe.
     """
     for fused in (False, True) if "AdamW" in CPU_FUSED else (False,):
         param = nn.Parameter(torch.ones(3))
         opt = torch.optim.AdamW([param], lr=0.1, fused=fused)
         calls = []
         opt.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append(optimizer))
+        opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
         scaler = new_scaler("cpu")
         scaled_backward(scaler, param)
         scaler.step(opt)
@@ -596,7 +690,7 @@ def test_step_pre_hook_sees_scaler_steps_but_not_skipped_ones():
         scaled_backward(scaler, param, inf=True)
         scaler.step(opt)
         scaler.update()
-        assert calls == ([opt, opt] if fused else [opt])
+        assert calls == ([opt, "post", opt, "post"] if fused else [opt, "post"])
 
 
 def test_post_accumulate_grad_hook_fires_after_each_backward():

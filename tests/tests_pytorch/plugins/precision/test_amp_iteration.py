@@ -83,7 +83,9 @@ def test_one_optimizer_stepped_twice_per_batch_updates_after_each_step(tmp_path)
 def test_state_dict_holds_a_pending_update_without_applying_it():
     plugin = _plugin()
     param = nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer, other = torch.optim.SGD([param], lr=0.1), torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    for opt in (optimizer, other):  # two optimizers of the fit: the update waits for the other's step
+        plugin._recipe.track(opt)
     plugin._recipe.scale(param.sum()).backward()
     plugin._recipe.step(optimizer)
     assert plugin._recipe.update_owed

@@ -53,13 +53,12 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import SGD, Optimizer
 
 from lightning.fabric.plugins.precision.amp_torch_scaler import (
     OptState,
     _handles_unscaling_itself,
     _has_gradients,
-    _is_fused_sgd,
     _protect_fused_sgd_momentum,
     _TorchScaler,
 )
@@ -138,7 +137,7 @@ class GradScalerRecipe:
         # unscaled and not stepped before the last update; of unscaled gradients before a scaled backward
         self._update_marks: dict[int, list] = {}
         self._stale: dict[int, list] = {}
-        self._reach_marks: dict[int, list] = {}
+        self.reach_marks: dict[int, list] = {}
         # optimizer ids whose unscaled gradients a scaled backward reached: they mix two scales
         self._mixed: set[int] = set()
         # the skip signal: per optimizer id, whether its last step was skipped (a fused one's inf check, read on ask)
@@ -185,8 +184,11 @@ class GradScalerRecipe:
     # ---- events -------------------------------------------------------------------------------------------------
 
     def scale(self, loss: Tensor) -> Tensor:
-        """A loss is about to be backpropagated: apply the owed update unless gradients wait for it, then scale."""
-        if (self._owed or self._torch.entries()) and not self._gradients_wait():
+        """A loss is about to be backpropagated: apply the owed update unless gradients wait for it, then scale.
+
+        The caller runs the backward, then :meth:`after_backward` if :attr:`reach_marks` holds anything.
+        """
+        if self._owed and not self._gradients_wait():
             self._settle()
         self._scaled_losses += 1
         if self._unscaled or self._stale:
@@ -198,7 +200,7 @@ class GradScalerRecipe:
         produced since then."""
         for key, (ref, wrappers) in self._fit.items():
             optimizer = ref()
-            if optimizer is None or key in self._stepped or self._stage(optimizer, wrappers)[0] is OptState.STEPPED:
+            if optimizer is None or key in self._stepped or self._torch.stage(optimizer, wrappers)[0] is OptState.STEPPED:
                 continue
             marks = self._update_marks.get(key)
             if _has_gradients(optimizer) and (marks is None or not _same_gradients(optimizer, marks)):
@@ -210,23 +212,21 @@ class GradScalerRecipe:
         for key in list(self._stale):
             optimizer = self._optimizer(key)
             if optimizer is not None and _same_gradients(optimizer, self._stale[key]):
-                self._reach_marks[key] = self._stale[key]
+                self.reach_marks[key] = self._stale[key]
             else:  # written since the update (cleared): a fresh cycle, as torch reads it
                 del self._stale[key]
         for key in self._unscaled:
             optimizer = self._optimizer(key)
             if optimizer is not None:
-                self._reach_marks[key] = _gradient_marks(optimizer)
+                self.reach_marks[key] = _gradient_marks(optimizer)
 
     def after_backward(self) -> None:
         """The backward of a scaled loss ended: unscaled gradients it reached now mix two scales."""
-        if not self._reach_marks:
-            return
-        for key, marks in self._reach_marks.items():
+        for key, marks in self.reach_marks.items():
             optimizer = self._optimizer(key)
             if optimizer is not None and not _same_gradients(optimizer, marks):
                 self._mixed.add(key)
-        self._reach_marks.clear()
+        self.reach_marks.clear()
 
     def unscale(self, optimizer: Optimizer, required: bool = True) -> None:
         """Unscale ``optimizer``'s gradients unless they are true ones already (see the module's table).
@@ -243,12 +243,17 @@ class GradScalerRecipe:
                 raise _unscales_itself_error(optimizer)
             return
         key = id(optimizer)
-        stage = self._checked_stage(optimizer)[0]
-        if stage is not OptState.READY or key in self._stale:
-            return
+        if self.watch is not None or key in self._mixed or key in self._stale:
+            self._refuse(optimizer)
+        if key in self._unscaled or key in self._stale:
+            return  # unscaled already (in this cycle, or before the last update and not written since)
+        stage = self._torch.stage(optimizer, self._fit[key][1] if key in self._fit else ())[0]
         mark = self._step_marks.get(key)
-        if mark is not None and mark[0] == self._scaled_losses and mark[1]() is _first_gradient(optimizer):
-            return  # no backward since its step (a clip after `opt.step()`): the gradients it stepped on are true
+        if stage is not OptState.READY or (
+            mark is not None and mark[0] == self._scaled_losses and mark[1]() is optimizer.param_groups[0]["params"][0].grad
+        ):
+            return  # the user's own unscale, a step since the update, or no backward since the step (a clip after
+            # `opt.step()`): the gradients are true ones already
         if self._torch.sharded or _has_gradients(optimizer):
             self._unscale(optimizer)
 
@@ -263,6 +268,16 @@ class GradScalerRecipe:
         self._owed = True
         self._unscaled.add(id(optimizer))
 
+    def _refuse(self, optimizer: Any) -> None:
+        """The refusals before an unscale or a step, which change nothing."""
+        key = id(optimizer)
+        if self.watch is not None:
+            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
+        if key in self._mixed:
+            raise _mixed_scales_error(optimizer)
+        if key in self._stale and not _same_gradients(optimizer, self._stale[key]):
+            del self._stale[key]  # written since the update (cleared, computed again): a fresh cycle
+
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step ``optimizer`` through the scaler, which unscales first if nobody did and skips the step on inf/NaN.
 
@@ -274,41 +289,55 @@ class GradScalerRecipe:
         if kwargs.get("closure") is not None:
             raise _closure_error(optimizer)
         key = id(optimizer)
-        stage, holder = self._checked_stage(optimizer)
-        if key in self._stale:
-            raise _unscaled_earlier_error(optimizer)
-        if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] != self._scaled_losses:
-            raise _stepped_again_error(optimizer)
+        if self.watch is not None or key in self._mixed or key in self._stale:
+            self._refuse(optimizer)
+            if key in self._stale:
+                raise _unscaled_earlier_error(optimizer)
+        if key in self._unscaled:
+            stage, holder = OptState.UNSCALED, optimizer
+        else:
+            stage, holder = self._torch.stage(optimizer, self._fit[key][1] if key in self._fit else ())
+            if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] != self._scaled_losses:
+                raise _stepped_again_error(optimizer)
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
         unscales_itself = in_kernel and _handles_unscaling_itself(optimizer)
-        plain = stage is OptState.READY and not (unscales_itself or self._torch.sharded or _has_gradients(optimizer))
-        if plain:
-            output = optimizer.step(**kwargs)  # no gradients: nothing to unscale or to skip on
-            self._last_skip.pop(key, None)
+        if stage is OptState.READY and not unscales_itself:
+            if not (self._torch.sharded or _has_gradients(optimizer)):
+                return self._after_step(optimizer, optimizer.step(**kwargs), skipped=False)  # nothing to unscale or skip on
+            self._unscale(optimizer)
+        if in_kernel and isinstance(optimizer, SGD):
+            _protect_fused_sgd_momentum(optimizer)
+        if not in_kernel and key not in self._step_hooks:
+            self._step_hooks[key] = optimizer.register_step_post_hook(functools.partial(_step_ran, weakref.ref(self)))
+        self._step_ran = False
+        if holder is optimizer and not (in_kernel and self._torch.sharded):
+            output = self.scaler.step(optimizer, **kwargs)
         else:
-            if in_kernel and _is_fused_sgd(optimizer):
-                _protect_fused_sgd_momentum(optimizer)
-            if not in_kernel and key not in self._step_hooks:
-                self._step_hooks[key] = optimizer.register_step_post_hook(
-                    functools.partial(_step_ran, weakref.ref(self))
-                )
-            if stage is OptState.READY and not unscales_itself:
-                self._unscale(optimizer)
-            self._step_ran = False
-            if holder is optimizer and not (in_kernel and self._torch.sharded):
-                output = self.scaler.step(optimizer, **kwargs)
-            else:
-                # what `scaler.step` does, where it cannot: the user unscaled through a wrapper (torch keyed the entry
-                # by the wrapper), or a fused kernel cannot take `ShardedGradScaler`'s 1-element inf checks
-                found_inf = self._torch.found_inf(holder)
-                skipped = found_inf is not None and bool(found_inf.item())
-                output = None if skipped else optimizer.step(**kwargs)
-                self._step_ran = not skipped
-            self._owed = True
-            self._record_skip(key, holder, in_kernel and holder is optimizer)
+            # what `scaler.step` does, where it cannot: the user unscaled through a wrapper (torch keyed the entry by
+            # the wrapper), or a fused kernel cannot take `ShardedGradScaler`'s 1-element inf checks
+            found_inf = self._torch.found_inf(holder)
+            self._step_ran = found_inf is None or not found_inf.item()
+            output = optimizer.step(**kwargs) if self._step_ran else None
+            in_kernel = False  # decided on the host
+        self._owed = True
+        # the skip signal: torch decided on the host whether `step()` ran; a fused kernel decides on the device, whose
+        # inf check is read only when asked
+        return self._after_step(optimizer, output, skipped=self._torch.found_inf(holder) if in_kernel else not self._step_ran)
+
+    def _after_step(self, optimizer: Any, output: Any, skipped: Union[bool, Optional[Tensor]]) -> Any:
+        key = id(optimizer)
+        if skipped is None or isinstance(skipped, bool):
+            self._last_skip[key] = bool(skipped)
+            self._skipped += bool(skipped)
+        else:
+            self._last_skip[key] = skipped
+            self._fused_found_infs.append(skipped)
+            if len(self._fused_found_infs) >= 64:  # bounded: fold on the device
+                self._fused_found_infs = [torch.stack(self._fused_found_infs).gt(0).sum()]
         self._unscaled.discard(key)
-        gradient = _first_gradient(optimizer)
-        self._step_marks[key] = (self._scaled_losses, _NO_GRADIENT if gradient is None else weakref.ref(gradient))
+        # the first parameter's gradient, weakly: replaced (assigned, or zeroed to None) means new gradients
+        grad = optimizer.param_groups[0]["params"][0].grad
+        self._step_marks[key] = (self._scaled_losses, _NO_GRADIENT if grad is None else weakref.ref(grad))
         if key in self._fit:
             self._stepped.add(key)
             if self._fit.keys() <= self._stepped:
@@ -317,51 +346,18 @@ class GradScalerRecipe:
             self._settle()
         return output
 
-    def _checked_stage(self, optimizer: Any) -> tuple[OptState, Any]:
-        """torch's stage of ``optimizer``, and the object torch keyed it by; after the refusals that change nothing."""
-        key = id(optimizer)
-        if self.watch is not None:
-            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
-        if key in self._mixed:
-            raise _mixed_scales_error(optimizer)
-        entry = self._fit.get(key)
-        stage, holder = self._stage(optimizer, () if entry is None else entry[1])
-        if key in self._stale and not _same_gradients(optimizer, self._stale[key]):
-            del self._stale[key]  # written since the update (cleared, computed again): a fresh cycle
-        return stage, holder
-
-    def _stage(self, optimizer: Any, wrappers: Any) -> tuple[OptState, Any]:
-        stage = self._torch.stage(optimizer)
-        if stage is OptState.READY:
-            for ref in wrappers:  # the user's own `scaler.unscale_(wrapper)`
-                wrapper = ref()
-                if wrapper is not None and self._torch.stage(wrapper) is not OptState.READY:
-                    return self._torch.stage(wrapper), wrapper
-        return stage, optimizer
-
     def _optimizer(self, key: int) -> Optional[Any]:
         entry = self._fit.get(key)
         return None if entry is None else entry[0]()
-
-    def _record_skip(self, key: int, holder: Any, in_kernel: bool) -> None:
-        if in_kernel:  # the kernel decided on the device: read only when asked
-            found_inf = self._torch.found_inf(holder)
-            self._last_skip[key] = False if found_inf is None else found_inf
-            if found_inf is not None:
-                self._fused_found_infs.append(found_inf)
-                if len(self._fused_found_infs) >= 64:  # bounded: fold on the device
-                    self._fused_found_infs = [torch.stack(self._fused_found_infs).gt(0).sum()]
-        else:  # torch decided on the host: `step()` ran or it did not
-            self._last_skip[key] = not self._step_ran
-            self._skipped += not self._step_ran
 
     def _settle(self) -> None:
         """Apply the owed update, if any."""
         if not (self._owed or self._torch.recorded()):
             return
-        self._stale = {
-            key: _gradient_marks(o) for key in self._unscaled if (o := self._optimizer(key)) and _has_gradients(o)
-        }
+        if self._unscaled:  # unscaled and not stepped: their gradients stay true ones, which torch forgets
+            self._stale = {
+                key: _gradient_marks(o) for key in self._unscaled if (o := self._optimizer(key)) and _has_gradients(o)
+            }
         if len(self._fit) > 1:
             self._update_marks = {key: _gradient_marks(o) for key, (ref, _) in self._fit.items() if (o := ref())}
         self.scaler.update()
@@ -408,7 +404,7 @@ class GradScalerRecipe:
         if not self.scaler.is_enabled():
             return
         if self.watch is None:
-            self.watch = _UnscaledBackwardWatch(lambda o: self._torch.stage(o) is OptState.READY, self._api)
+            self.watch = _UnscaledBackwardWatch(lambda o: self._torch.stage(o)[0] is OptState.READY, self._api)
         self.watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
 
     @property
@@ -459,8 +455,12 @@ class GradScalerRecipe:
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`): the fit, hooks and weak references stay in this process
         state = self.__dict__.copy()
-        state.update(_fit={}, _step_hooks={}, _step_marks={}, _update_marks={}, _stale={}, _reach_marks={}, watch=None)
+        state.update(_fit={}, _step_hooks={}, _step_marks={}, _update_marks={}, _stale={}, reach_marks={}, watch=None)
         return state
+
+
+def _NO_GRADIENT() -> None:
+    return None
 
 
 def _forget(recipe_ref: "weakref.ref[GradScalerRecipe]", key: int, _: Any) -> None:
@@ -475,18 +475,6 @@ def _step_ran(recipe_ref: "weakref.ref[GradScalerRecipe]", *_: Any) -> None:
     recipe = recipe_ref()
     if recipe is not None:
         recipe._step_ran = True
-
-
-def _NO_GRADIENT() -> None:
-    return None
-
-
-def _first_gradient(optimizer: Any) -> Optional[Tensor]:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                return p.grad
-    return None
 
 
 # ---- the recipe's refusals: what to do first, then why ---------------------------------------------------------------

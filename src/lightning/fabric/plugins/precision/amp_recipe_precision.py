@@ -28,6 +28,13 @@ from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
 
 
+_LBFGS_MESSAGE = (
+    "Use `precision='bf16-mixed'` or `'32-true'` with LBFGS: AMP with a gradient scaler and the LBFGS optimizer are not"
+    " compatible, since LBFGS evaluates its closure several times per step and reads the gradients in between, which"
+    " the scaler cannot unscale."
+)
+
+
 class _ScalerRecipeHolder:
     """What every precision plugin that may drive a gradient scaler holds, in the Trainer as in Fabric: the
     :class:`GradScalerRecipe` of its ``scaler``, which knows the fit's optimizers and their wrappers
@@ -59,14 +66,6 @@ class _ScalerRecipeHolder:
         if recipe is None or recipe.scaler is not self.scaler:
             recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
         return recipe
-
-    def _refuse_lbfgs(self, optimizer: Any) -> None:
-        if isinstance(optimizer, LBFGS):
-            raise self._lbfgs_error(
-                "Use `precision='bf16-mixed'` or `'32-true'` with LBFGS: AMP with a gradient scaler and the LBFGS"
-                " optimizer are not compatible, since LBFGS evaluates its closure several times per step and reads the"
-                " gradients in between, which the scaler cannot unscale."
-            )
 
     def _finish_amp_recipe(self) -> None:
         """Training ends (the plugin's teardown): the owed update is applied, the watch goes, and this fit's optimizers
@@ -122,7 +121,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         else:
             with recipe.watch.scaled_backward():
                 super().backward(tensor, model, *args, **kwargs)
-        recipe.after_backward()
+        if recipe.reach_marks:
+            recipe.after_backward()
         return None
 
     @override
@@ -142,7 +142,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)
-        self._refuse_lbfgs(optimizer)
+        if isinstance(optimizer, LBFGS):
+            raise self._lbfgs_error(_LBFGS_MESSAGE)
         # the scaler skips the step if the gradients hold inf/NaN
         return self._recipe.step(optimizer, **kwargs)  # type: ignore[arg-type]
 

@@ -20,11 +20,12 @@ the fork supports. Nothing here writes to a scaler.
 
 import functools
 import inspect
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Optimizer
+from torch.optim import Optimizer
 
 try:  # torch >= 2.3
     from torch.amp.grad_scaler import OptState
@@ -50,9 +51,17 @@ class _TorchScaler:
         # FSDP's `ShardedGradScaler` all-reduces its inf checks in `unscale_`: every rank must unscale every optimizer
         self.sharded = hasattr(scaler, "process_group")
 
-    def stage(self, optimizer: Any) -> OptState:
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
-        return OptState.READY if state is None else state["stage"]
+    def stage(self, optimizer: Any, wrappers: Iterable = ()) -> tuple[OptState, Any]:
+        """torch's stage of ``optimizer``, and the object torch keyed it by: the optimizer, or one of its ``wrappers``
+        (weak references) that the user handed to ``scaler.unscale_`` themselves."""
+        states = self.scaler._per_optimizer_states
+        state = states.get(id(optimizer))
+        if state is None and states:
+            for ref in wrappers:
+                wrapper = ref()
+                if wrapper is not None and (state := states.get(id(wrapper))) is not None:
+                    return state["stage"], wrapper
+        return (OptState.READY, optimizer) if state is None else (state["stage"], optimizer)
 
     def entries(self) -> bool:
         """Whether anything was unscaled or stepped through the scaler since the last update (cheap)."""
@@ -184,7 +193,3 @@ def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
             )
         for p in missing:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _is_fused_sgd(optimizer: Any) -> bool:
-    return isinstance(optimizer, SGD) and bool(optimizer.defaults.get("fused"))

@@ -30,12 +30,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API
-from lightning.fabric.plugins.precision.amp_recipe_precision import _ScalerRecipeHolder
+from lightning.fabric.plugins.precision.amp_recipe_precision import _LBFGS_MESSAGE, _ScalerRecipeHolder
 from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_enabled
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
@@ -126,7 +126,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         watch = None if self.scaler is None else self._recipe.watch
         with self._outside_forward_context(), watch.scaled_backward() if watch is not None else nullcontext():
             super().backward(tensor, model, optimizer, *args, **kwargs)
-        if self.scaler is not None:
+        if self.scaler is not None and self._recipe.reach_marks:
             self._recipe.after_backward()
         if self.cache_enabled:
             # the graph that needed the cached casts is gone: free them now, as a run without the cache would
@@ -157,7 +157,8 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def _scaled_optimizer_step(
         self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        self._refuse_lbfgs(optimizer)
+        if isinstance(optimizer, LBFGS):
+            raise self._lbfgs_error(_LBFGS_MESSAGE)
         automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
         optimizer = self._unwrap(optimizer)
