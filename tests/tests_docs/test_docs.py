@@ -316,7 +316,7 @@ def test_docs_patches_are_well_formed() -> None:
     assert ":ref:`precision_mixed`" in "".join(added["docs/source-pytorch/common/precision_intermediate.rst"])
     # 0005/0006: Fabric's precision and checkpoint guides say what a loop under the scaler gets, and what is saved
     fabric_precision = "".join(added["docs/source-fabric/fundamentals/precision.rst"])
-    for api in ("fabric.training_iteration()", "step_was_skipped", "error_if_nonfinite=True", "fabric.backward(loss)"):
+    for api in ("step_was_skipped", "error_if_nonfinite=True", "fabric.backward(loss)"):
         assert api in fabric_precision, api
     assert '``"MixedPrecision"``' in "".join(added["docs/source-fabric/guide/checkpoint/checkpoint.rst"])
     # 0007: the callback the wheel adds is in the API reference and in the list of built-in callbacks

@@ -75,7 +75,7 @@ def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
     [
         ("no", None),
         ("not-needed", None),
-        ("upstream/rfcs/05-fabric-training-iteration.md", None),
+        ("upstream/rfcs/07-clipping-under-a-scaler.md", None),
         ("upstream/stack/99-no-such-pr", "`Forwarded: upstream/stack/99-no-such-pr` is neither"),
         ("https://example.org/pr/1", "`Forwarded: https://example.org/pr/1` is neither"),
         ("", "has no `Forwarded:` field"),
@@ -83,10 +83,10 @@ def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
 )
 def test_forwarded_says_where_the_concern_went(tmp_path, value, expected):
     patches = _series_copy(tmp_path)
-    training_iteration = patches / "0018-fabric-training-iteration.patch"
-    text = training_iteration.read_text()
+    clip_norm = patches / "0017-clip-gradients-returns-the-unscaled-norm.patch"
+    text = clip_norm.read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith("Forwarded:"))
-    training_iteration.write_text(text.replace(line, f"Forwarded: {value}" if value else "", 1))
+    clip_norm.write_text(text.replace(line, f"Forwarded: {value}" if value else "", 1))
     problems = check_series.check_forwarded(read_series(patches))
     if expected is None:
         assert problems == []

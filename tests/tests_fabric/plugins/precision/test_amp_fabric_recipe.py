@@ -356,7 +356,7 @@ def test_update_count_and_placement():
 def test_interleaved_backward_and_step_update_before_the_next_backward():
     """Two optimizers, each zeroed, fed by its own backward of the whole network and stepped in turn: the update the
     first step owes comes before the second backward (nothing waits for it), exactly where torch's own loop must put
-    it (``scaler.step(opt); scaler.update()`` per optimizer), with or without ``fabric.training_iteration()``."""
+    it (``scaler.step(opt); scaler.update()`` per optimizer)."""
     mse = torch.nn.functional.mse_loss
 
     net = make_net()
@@ -374,22 +374,16 @@ def test_interleaved_backward_and_step_update_before_the_next_backward():
             scaler.update()
     expected = {n: p.detach().clone() for n, p in net.named_parameters()}
 
-    def fabric_loop(mark_iterations: bool):
-        loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
-        scales = []
-        for x, y in make_batches():
-            with loop.fabric.training_iteration() if mark_iterations else contextlib.nullcontext():
-                for opt in loop.opts:
-                    opt.zero_grad()
-                    loop.fabric.backward(mse(loop.model(x), y))
-                    scales.append(loop.scaler.get_scale())
-                    opt.step()
-        return scales, {n: p.detach() for n, p in loop.model.module.named_parameters()}
-
-    for mark_iterations in (True, False):
-        scales, params = fabric_loop(mark_iterations)
-        assert scales == expected_scales
-        assert not params_differ(params, expected)
+    loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
+    scales = []
+    for x, y in make_batches():
+        for opt in loop.opts:
+            opt.zero_grad()
+            loop.fabric.backward(mse(loop.model(x), y))
+            scales.append(loop.scaler.get_scale())
+            opt.step()
+    assert scales == expected_scales
+    assert not params_differ({n: p.detach() for n, p in loop.model.module.named_parameters()}, expected)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -719,10 +713,10 @@ def test_a_closure_passed_to_step_raises_as_torch_does():
         assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before)), package
 
 
-def test_an_exception_caught_inside_training_iteration_ends_the_iteration():
-    """An exception raised (and caught by the user) in the body of ``fabric.training_iteration()``, after the first
-    optimizer's step, ends the iteration: its update is applied, the scale backs off on a later inf again, and torch
-    keeps no state per optimizer across iterations. Training goes on exactly as the recipe's."""
+def test_an_exception_caught_between_two_steps_loses_no_update():
+    """An exception raised (and caught by the user) after the first optimizer's step: the update that step owes is
+    applied before the next backward (the loop zeroes the gradients first, so nothing waits for it), the scale backs
+    off on a later inf again, and training goes on exactly as the recipe's."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(3,))
     loop = FabricLoop(cell)
 
@@ -731,11 +725,9 @@ def test_an_exception_caught_inside_training_iteration_ends_the_iteration():
 
     for i in range(N_BATCHES):
         try:
-            with loop.fabric.training_iteration():
-                _fabric_iteration(loop, i, between_steps=fail if i == 1 else lambda: None)
+            _fabric_iteration(loop, i, between_steps=fail if i == 1 else lambda: None)
         except ValueError:
             pass
-        assert len(loop.scaler._per_optimizer_states) == 0
     expected = _recipe_loop(cell, first_step_only_at=1)
     assert any(b < a for a, b in zip(expected.scales, expected.scales[1:]))  # the inf batch backed the scale off
     _assert_follows(loop, expected)
@@ -744,8 +736,8 @@ def test_an_exception_caught_inside_training_iteration_ends_the_iteration():
 @pytest.mark.parametrize("where", ["after-clip", "between-steps", "last-in-iteration"])
 def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp_path):
     """``fabric.save`` after clipping and before the step, between two optimizers' steps, or as the last statement of
-    a ``fabric.training_iteration()``: the live run is the recipe's, as without the save; a save at the end of an
-    iteration holds the scale the next iteration uses."""
+    an iteration: the live run is the recipe's, as without the save; a save at the end of an iteration holds the scale
+    the next iteration uses."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
     loop = FabricLoop(cell)
     path = tmp_path / "fabric.ckpt"
@@ -756,22 +748,21 @@ def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp
         saved.append(torch.load(path, weights_only=True)["precision"]["scale"])
 
     for i in range(N_BATCHES):
-        with loop.fabric.training_iteration():
-            if where == "after-clip":
-                x, y = make_batches()[i]
-                for opt in loop.opts:
-                    opt.zero_grad()
-                loss = torch.nn.functional.mse_loss(loop.model(x), y)
-                loop.fabric.backward(inject_inf(loss, i, cell.inf_batches))
-                loop.run.scales.append(loop.scaler.get_scale())
-                for opt in loop.opts:
-                    loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
-                    save()
-                    opt.step()
-            else:
-                _fabric_iteration(loop, i, between_steps=save if where == "between-steps" else lambda: None)
-                if where == "last-in-iteration":
-                    save()
+        if where == "after-clip":
+            x, y = make_batches()[i]
+            for opt in loop.opts:
+                opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(loop.model(x), y)
+            loop.fabric.backward(inject_inf(loss, i, cell.inf_batches))
+            loop.run.scales.append(loop.scaler.get_scale())
+            for opt in loop.opts:
+                loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
+                save()
+                opt.step()
+        else:
+            _fabric_iteration(loop, i, between_steps=save if where == "between-steps" else lambda: None)
+            if where == "last-in-iteration":
+                save()
     expected = _recipe_loop(cell)
     _assert_follows(loop, expected)
     if where == "last-in-iteration":
