@@ -123,27 +123,30 @@ class GradScalerRecipe:
         self._api = api
         # the fit's optimizers by id: a weak reference, and the wrappers a user may hand to `scaler.unscale_` instead
         self._fit: dict[int, tuple[weakref.ref, list]] = {}
-        # since the last update: whether an inf check was recorded, the fit's optimizers that stepped, those unscaled
-        # and not stepped
+        # since the last update: whether an inf check was recorded, the fit's optimizers that stepped, and the
+        # optimizers unscaled and not stepped (weakly)
         self._owed = False
         self._stepped: set[int] = set()
-        self._unscaled: set[int] = set()
+        self._unscaled: dict[int, weakref.ref] = {}
         self._updates = 0
         self._scaled_losses = 0
         self._in_iteration = False
-        # per optimizer id: (scaled losses, weak first gradient) at its last step, which tell a clip after the step
+        # per optimizer id: (scaled losses, weak first gradient, its version) at its last step, which tell a clip or a
+        # step after the step with no backward since
         self._step_marks: dict[int, tuple] = {}
-        # per optimizer id, gradient marks (`_gradient_marks`): at the last update (several optimizers); of gradients
-        # unscaled and not stepped before the last update; of unscaled gradients before a scaled backward
+        # per optimizer id, gradient marks (`_gradient_marks`): of the fit's optimizers at the last update (several);
+        # `_stale`: gradients that carry another scale than the current one, (optimizer, unscaled?, marks at the
+        # update); `reach_marks`: before a scaled backward, (optimizer, error, marks) of gradients it must not reach;
+        # `_refused`: (error, marks) of gradients a backward reached anyway, refused until written
         self._update_marks: dict[int, list] = {}
-        self._stale: dict[int, list] = {}
-        self.reach_marks: dict[int, list] = {}
-        # optimizer ids whose unscaled gradients a scaled backward reached: they mix two scales
-        self._mixed: set[int] = set()
+        self._stale: dict[int, tuple] = {}
+        self.reach_marks: dict[int, tuple] = {}
+        self._refused: dict[int, tuple] = {}
         # the skip signal: per optimizer id, whether its last step was skipped (a fused one's inf check, read on ask)
         self._last_skip: dict[int, Union[bool, Tensor]] = {}
         self._skipped = 0
         self._fused_found_infs: list[Tensor] = []
+        self._fused_skipped: Optional[Tensor] = None
         self._step_ran = False
         self._step_hooks: dict[int, Any] = {}
         # the opt-in misuse watch (`watch_unscaled_backward`); `None`: off, nothing on the parameters
@@ -190,9 +193,11 @@ class GradScalerRecipe:
         """
         if self._owed and not self._gradients_wait():
             self._settle()
+        elif not self._owed:
+            self._stepped.clear()  # steps without gradients owe nothing: this backward's gradients start the cycle
         self._scaled_losses += 1
-        if self._unscaled or self._stale:
-            self._mark_unscaled()
+        if self._unscaled or self._stale or self._stepped:
+            self._mark_before_backward()
         return self.scaler.scale(loss)
 
     def _gradients_wait(self) -> bool:
@@ -207,25 +212,30 @@ class GradScalerRecipe:
                 return True
         return False
 
-    def _mark_unscaled(self) -> None:
-        """Before a scaled backward: mark the unscaled gradients it may reach (:meth:`after_backward` compares)."""
-        for key in list(self._stale):
-            optimizer = self._optimizer(key)
-            if optimizer is not None and _same_gradients(optimizer, self._stale[key]):
-                self.reach_marks[key] = self._stale[key]
+    def _mark_before_backward(self) -> None:
+        """Before a scaled backward (:meth:`after_backward` compares): gradients of another scale (unscaled, or left
+        from before the update), and gradients of optimizers that stepped while the update waits, must not be reached."""
+        for key, (ref, _, marks) in list(self._stale.items()):
+            optimizer = ref()
+            if optimizer is not None and _same_gradients(optimizer, marks):
+                self.reach_marks[key] = (ref, _mixed_scales_error, marks)
             else:  # written since the update (cleared): a fresh cycle, as torch reads it
                 del self._stale[key]
-        for key in self._unscaled:
-            optimizer = self._optimizer(key)
-            if optimizer is not None:
-                self.reach_marks[key] = _gradient_marks(optimizer)
+        for key, ref in self._unscaled.items():
+            if (optimizer := ref()) is not None:
+                self.reach_marks[key] = (ref, _mixed_scales_error, _gradient_marks(optimizer))
+        for key in self._stepped:
+            if (optimizer := self._optimizer(key)) is not None:
+                self.reach_marks[key] = (weakref.ref(optimizer), _stepped_again_error, _gradient_marks(optimizer))
 
     def after_backward(self) -> None:
-        """The backward of a scaled loss ended: unscaled gradients it reached now mix two scales."""
-        for key, marks in self.reach_marks.items():
-            optimizer = self._optimizer(key)
+        """The backward of a scaled loss ended: gradients it reached that it must not have are refused until written."""
+        for key, (ref, error, marks) in self.reach_marks.items():
+            optimizer = ref()
             if optimizer is not None and not _same_gradients(optimizer, marks):
-                self._mixed.add(key)
+                self._refused[key] = (error, _gradient_marks(optimizer))
+                self._stepped.discard(key)
+                self._stale.pop(key, None)
         self.reach_marks.clear()
 
     def unscale(self, optimizer: Optimizer, required: bool = True) -> None:
@@ -243,17 +253,22 @@ class GradScalerRecipe:
                 raise _unscales_itself_error(optimizer)
             return
         key = id(optimizer)
-        if self.watch is not None or key in self._mixed or key in self._stale:
+        if self.watch is not None or key in self._refused or key in self._stale:
             self._refuse(optimizer)
+            stale = self._stale.get(key)
+            if stale is not None and not stale[1]:
+                raise _scaled_earlier_error(optimizer)
         if key in self._unscaled or key in self._stale:
             return  # unscaled already (in this cycle, or before the last update and not written since)
         stage = self._torch.stage(optimizer, self._fit[key][1] if key in self._fit else ())[0]
-        mark = self._step_marks.get(key)
+        mark, grad = self._step_marks.get(key), optimizer.param_groups[0]["params"][0].grad
         if stage is not OptState.READY or (
-            mark is not None and mark[0] == self._scaled_losses and mark[1]() is optimizer.param_groups[0]["params"][0].grad
+            mark is not None
+            and mark[1]() is grad
+            and (grad is None or mark[0] == self._scaled_losses or mark[2] == grad._version)
         ):
-            return  # the user's own unscale, a step since the update, or no backward since the step (a clip after
-            # `opt.step()`): the gradients are true ones already
+            return  # the user's own unscale, a step since the update, or no backward reached it since its step (a clip
+            # after `opt.step()`): the gradients are true ones already
         if self._torch.sharded or _has_gradients(optimizer):
             self._unscale(optimizer)
 
@@ -266,16 +281,20 @@ class GradScalerRecipe:
                 raise _nothing_scaled_error(optimizer, self._api) from error
             raise
         self._owed = True
-        self._unscaled.add(id(optimizer))
+        self._unscaled[id(optimizer)] = weakref.ref(optimizer)
 
     def _refuse(self, optimizer: Any) -> None:
-        """The refusals before an unscale or a step, which change nothing."""
+        """The refusals before an unscale or a step, which change nothing; gradients written since are forgiven."""
         key = id(optimizer)
         if self.watch is not None:
             self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
-        if key in self._mixed:
-            raise _mixed_scales_error(optimizer)
-        if key in self._stale and not _same_gradients(optimizer, self._stale[key]):
+        refused = self._refused.get(key)
+        if refused is not None:
+            if _same_gradients(optimizer, refused[1]):
+                raise refused[0](optimizer)
+            del self._refused[key]  # written since (cleared): nothing mixed remains
+        stale = self._stale.get(key)
+        if stale is not None and not _same_gradients(optimizer, stale[2]):
             del self._stale[key]  # written since the update (cleared, computed again): a fresh cycle
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
@@ -289,10 +308,10 @@ class GradScalerRecipe:
         if kwargs.get("closure") is not None:
             raise _closure_error(optimizer)
         key = id(optimizer)
-        if self.watch is not None or key in self._mixed or key in self._stale:
+        if self.watch is not None or key in self._refused or key in self._stale:
             self._refuse(optimizer)
             if key in self._stale:
-                raise _unscaled_earlier_error(optimizer)
+                raise (_unscaled_earlier_error if self._stale[key][1] else _scaled_earlier_error)(optimizer)
         if key in self._unscaled:
             stage, holder = OptState.UNSCALED, optimizer
         else:
@@ -302,6 +321,11 @@ class GradScalerRecipe:
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
         unscales_itself = in_kernel and _handles_unscaling_itself(optimizer)
         if stage is OptState.READY and not unscales_itself:
+            mark, grad = self._step_marks.get(key), optimizer.param_groups[0]["params"][0].grad
+            if mark is not None and grad is not None and mark[1]() is grad and mark[0] == self._scaled_losses:
+                # no backward since its last step: the true gradients it stepped on, skipped as that step was
+                skipped = self.step_was_skipped(optimizer)
+                return self._after_step(optimizer, None if skipped else optimizer.step(**kwargs), skipped=skipped)
             if not (self._torch.sharded or _has_gradients(optimizer)):
                 return self._after_step(optimizer, optimizer.step(**kwargs), skipped=False)  # nothing to unscale or skip on
             self._unscale(optimizer)
@@ -333,11 +357,15 @@ class GradScalerRecipe:
             self._last_skip[key] = skipped
             self._fused_found_infs.append(skipped)
             if len(self._fused_found_infs) >= 64:  # bounded: fold on the device
-                self._fused_found_infs = [torch.stack(self._fused_found_infs).gt(0).sum()]
-        self._unscaled.discard(key)
-        # the first parameter's gradient, weakly: replaced (assigned, or zeroed to None) means new gradients
+                folded = torch.stack(self._fused_found_infs).gt(0).sum()
+                self._fused_skipped = folded if self._fused_skipped is None else self._fused_skipped + folded
+                self._fused_found_infs = []
+        self._unscaled.pop(key, None)
+        # the first parameter's gradient, weakly, and its version: replaced or written means new gradients
         grad = optimizer.param_groups[0]["params"][0].grad
-        self._step_marks[key] = (self._scaled_losses, _NO_GRADIENT if grad is None else weakref.ref(grad))
+        self._step_marks[key] = (
+            (self._scaled_losses, _NO_GRADIENT, -1) if grad is None else (self._scaled_losses, weakref.ref(grad), grad._version)
+        )
         if key in self._fit:
             self._stepped.add(key)
             if self._fit.keys() <= self._stepped:
@@ -353,18 +381,27 @@ class GradScalerRecipe:
     def _settle(self) -> None:
         """Apply the owed update, if any."""
         if not (self._owed or self._torch.recorded()):
+            self._stepped.clear()
             return
-        if self._unscaled:  # unscaled and not stepped: their gradients stay true ones, which torch forgets
-            self._stale = {
-                key: _gradient_marks(o) for key in self._unscaled if (o := self._optimizer(key)) and _has_gradients(o)
-            }
+        # gradients that keep another scale than the one the update leaves: unscaled and not stepped (true ones), or
+        # produced since the last update by optimizers of the fit that did not step (an iteration's end)
+        for key, ref in self._unscaled.items():
+            if (optimizer := ref()) is not None and _has_gradients(optimizer):
+                self._stale[key] = (ref, True, _gradient_marks(optimizer))
+        for key, (ref, wrappers) in self._fit.items():
+            optimizer = ref()
+            if optimizer is None or key in self._stepped or key in self._unscaled or not _has_gradients(optimizer):
+                continue
+            marks = self._update_marks.get(key)
+            if marks is None or not _same_gradients(optimizer, marks):
+                if self._torch.stage(optimizer, wrappers)[0] is OptState.READY:
+                    self._stale[key] = (ref, False, _gradient_marks(optimizer))
         if len(self._fit) > 1:
             self._update_marks = {key: _gradient_marks(o) for key, (ref, _) in self._fit.items() if (o := ref())}
         self.scaler.update()
         self._owed = False
         self._stepped.clear()
         self._unscaled.clear()
-        self._mixed.clear()
         self._updates += 1
         if self.watch is not None and self._updates >= self.watch.ends_at_update and not self.watch.accumulations:
             self.unwatch()
@@ -449,13 +486,16 @@ class GradScalerRecipe:
     @property
     def skipped_steps(self) -> Tensor:
         """How many steps (of all optimizers) the scaler skipped so far, as a tensor."""
-        fused = [f.gt(0).sum().reshape(()) for f in self._fused_found_infs]
-        return torch.tensor(self._skipped) + (torch.stack(fused).sum().cpu() if fused else 0)
+        fused = torch.stack(self._fused_found_infs).gt(0).sum().cpu() if self._fused_found_infs else 0
+        return torch.tensor(self._skipped) + fused + (0 if self._fused_skipped is None else self._fused_skipped.cpu())
 
     def __getstate__(self) -> dict[str, Any]:
         # launchers pickle plugins (`ddp_spawn`): the fit, hooks and weak references stay in this process
         state = self.__dict__.copy()
-        state.update(_fit={}, _step_hooks={}, _step_marks={}, _update_marks={}, _stale={}, reach_marks={}, watch=None)
+        state.update(
+            _fit={}, _unscaled={}, _step_hooks={}, _step_marks={}, _update_marks={}, _stale={}, reach_marks={},
+            _refused={}, watch=None,
+        )
         return state
 
 
@@ -514,6 +554,14 @@ def _nothing_scaled_error(optimizer: Any, api: _RunAPI) -> RuntimeError:
         f" backward must go through it. The gradients of {type(optimizer).__name__} come from a backward without the"
         " loss scale (the scaler has not scaled any loss yet), so the scaler can neither unscale them nor check them"
         " for inf/NaN. Nothing was changed."
+    )
+
+
+def _scaled_earlier_error(optimizer: Any) -> RuntimeError:
+    return RuntimeError(
+        f"Step {type(optimizer).__name__} in the iteration whose backward produced its gradients, or zero them and"
+        " compute them again: they were multiplied by a loss scale that the scaler has updated since (at the end of an"
+        " iteration), so no unscale can give the true gradients. The step was not taken."
     )
 
 
