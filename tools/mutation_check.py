@@ -11,7 +11,7 @@ A mutation whose text no longer occurs exactly once is *stale* (the code moved o
 Example::
 
     make mutation-check                                  # every mutation (about 8 minutes on 2 cores)
-    .venv/bin/python tools/mutation_check.py --only fabric-watch --only cache-clear-after-step
+    .venv/bin/python tools/mutation_check.py --only fabric-watch --only rule-b-gradients-wait
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ PYTORCH_RECIPE = "pytorch/plugins/precision/amp_recipe.py"
 FABRIC_RECIPE = "fabric/plugins/precision/amp_recipe.py"
 FABRIC_PLUGIN = "fabric/plugins/precision/amp_recipe_precision.py"
 FABRIC_WATCH = "fabric/plugins/precision/amp_misuse_watch.py"
+TORCH_ADAPTER = "fabric/plugins/precision/amp_torch_scaler.py"
 PRECISION_TESTS = "tests/tests_pytorch/plugins/precision"
 FABRIC_TESTS = "tests/tests_fabric/plugins/precision"
 
@@ -50,9 +51,10 @@ class Mutation:
 
 
 MUTATIONS = (
+    # ---- autocast, the Trainer's plugin ----------------------------------------------------------------------------
     Mutation(
         "cache-clear-after-backward",
-        "autocast's cache is freed after every backward (patch 0012)",
+        "autocast's cache is freed after every backward",
         PYTORCH_RECIPE,
         "        if self.cache_enabled:\n"
         "            # the graph that needed the cached casts is gone: free them now, as a run without the cache"
@@ -62,7 +64,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cache-clear-after-step",
-        "autocast's cache is cleared after every optimizer step: no stale casts after `opt.step()` (patch 0012)",
+        "autocast's cache is cleared after every optimizer step: no stale casts after `opt.step()`",
         PYTORCH_RECIPE,
         "        if self.cache_enabled:\n"
         "            # the step changed the weights in place: casts cached before it are stale\n"
@@ -79,66 +81,494 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and inplace"),
     ),
     Mutation(
-        "clip-unscales-first",
-        "`self.clip_gradients` unscales before clipping (promise 3)",
+        "dtype-mismatch-advice",
+        "the autocast cache's dtype mismatch gets the `cache_enabled=False` advice",
+        "pytorch/plugins/precision/amp.py",
+        "                if self.cache_enabled and _is_autocast_cache_dtype_mismatch(err):\n",
+        "                if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and dtype_mismatch"),
+    ),
+    Mutation(
+        "autocast-off-outside-forward",
+        "`manual_backward`, clipping and the step run with autocast off in manual optimization",
         PYTORCH_RECIPE,
-        "                self._recipe.unscale(*self._unwrap(optimizer))\n",
+        "        if not _autocast_enabled(device):\n            yield\n            return\n",
+        "        yield\n        return\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+    ),
+    # ---- the Trainer's plugin around the recipe --------------------------------------------------------------------
+    Mutation(
+        "clip-unscales-first",
+        "`self.clip_gradients` unscales before clipping",
+        PYTORCH_RECIPE,
+        "                self._recipe.unscale(self._unwrap(optimizer))\n",
         "                pass\n",
         (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
     ),
     Mutation(
-        "unscale-once",
-        "unscaling is idempotent: a second unscale in a step cycle does nothing (promise 4)",
-        FABRIC_RECIPE,
-        "        if stage is OptState.READY:\n            self._torch.unscale_(optimizer)\n",
-        "        if True:\n            self._torch.unscale_(optimizer)\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", f"{FABRIC_TESTS}/test_amp_fabric_recipe.py"),
+        "trainer-step-unscales-before-the-hooks",
+        "the Trainer unscales before `on_before_optimizer_step` and its clipping, so they see true gradients",
+        PYTORCH_RECIPE,
+        "            recipe.unscale(optimizer, required=False)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_fused.py",),
     ),
     Mutation(
-        "update-once-per-iteration",
-        "one `scaler.update()` per iteration, after its last step, not after every step (promise 5)",
-        FABRIC_RECIPE,
-        "        self._skips.record(optimizer, self._torch.found_inf(optimizer), ran=bool(ran))\n",
-        "        self._skips.record(optimizer, self._torch.found_inf(optimizer), ran=bool(ran))\n        self._settle()\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", f"{PRECISION_TESTS}/test_amp_iteration.py"),
+        "closure-run-by-the-user-steps",
+        "automatic optimization: an `optimizer_step` override that runs the closure and then calls `optimizer.step()`"
+        " steps",
+        PYTORCH_RECIPE,
+        "        steps = not (automatic and loss is None and closure is not do_nothing_closure)\n",
+        "        steps = not (automatic and loss is None)\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "runs_the_closure_itself"),
     ),
     Mutation(
-        "update-after-unscale-without-step",
-        "an iteration that unscaled but did not step still updates, so the scale backs off",
-        FABRIC_RECIPE,
-        "        if self._torch.has_inf_checks():\n            for optimizer in self._candidates():\n",
-        "        if self._skips._pending:\n            for optimizer in self._candidates():\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+        "trainer-tracks-its-optimizers",
+        "the Trainer's and Fabric's optimizer wrappers declare the fit's optimizers to the recipe: several optimizers"
+        " fed by one backward get one update, after the last step",
+        FABRIC_PLUGIN,
+        "            self._recipe.track(wrapper.optimizer, wrapper)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and two_optimizers_one_backward"),
     ),
     Mutation(
-        "checkpoint-mid-iteration",
-        "a checkpoint saved mid-iteration leaves the live run alone",
-        FABRIC_RECIPE,
-        "            include_owed_update = self.phase is IterationPhase.OUTSIDE\n",
-        "            include_owed_update = True\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "tests/tests_pytorch/checkpointing/test_amp_resume.py"),
-    ),
-    Mutation(
-        "refuse-mixed-scales",
-        "gradients unscaled without a step and then reached by a scaled backward are refused at the step and at"
-        " clipping (the accumulation pitfall)",
-        FABRIC_RECIPE,
-        "            if record.mixed_scales:\n                raise _mixed_scales_error(optimizer)\n",
-        "            if False:\n                raise _mixed_scales_error(optimizer)\n",
+        "trainer-compares-reach-marks-after-backward",
+        "the Trainer's backward asks the recipe which unscaled gradients it reached (mixed scales)",
+        PYTORCH_RECIPE,
+        "        if recipe is not None and recipe.reach_marks:\n            recipe.after_backward()\n",
+        "",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
     ),
     Mutation(
-        "watch-unscaled-during-backward",
-        "a scaled backward that reaches an optimizer's unscaled, not yet stepped gradients flags them; one that does"
-        " not reach them leaves them to step",
+        "fabric-compares-reach-marks-after-backward",
+        "Fabric's backward asks the recipe which unscaled gradients it reached (mixed scales)",
+        FABRIC_PLUGIN,
+        "        if recipe.reach_marks:\n            recipe.after_backward()\n",
+        "",
+        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "clipped_gradients_that_did_not_step"),
+    ),
+    Mutation(
+        "fabric-clip-unscales-first",
+        "`fabric.clip_gradients` unscales before clipping",
+        FABRIC_PLUGIN,
+        "        if self.scaler is not None:\n            self._recipe.unscale(optimizer)\n",
+        "        pass\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "clip"),
+    ),
+    # ---- the update rule -------------------------------------------------------------------------------------------
+    Mutation(
+        "rule-a-update-after-every-fit-optimizer-stepped",
+        "rule (a): once every optimizer of the fit has stepped since the last update, the update follows at once (the"
+        " scale read after the step shows a skip; a critic stepped several times updates after each step)",
         FABRIC_RECIPE,
-        "    cleared = not _holds_live_gradients(optimizer)\n",
-        "    cleared = True\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_the_step"),
+        "            if self._fit.keys() <= self._stepped:\n                self._settle()\n",
+        "            if False:\n                self._settle()\n",
+        (
+            f"{PRECISION_TESTS}/test_amp_iteration.py",
+            "-k",
+            "says_whether_it_was_skipped or second_step_cycle or stepped_twice_per_batch",
+        ),
+    ),
+    Mutation(
+        "empty-fit-updates-after-each-step",
+        "with no optimizer declared for the fit, each step gets its update right after it, as in stock Lightning",
+        FABRIC_RECIPE,
+        "        elif not self._fit:",
+        "        elif False:",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "without_declared_optimizers"),
+    ),
+    Mutation(
+        "rule-b-update-before-the-next-backward",
+        "rule (b): the owed update is applied before the next scaled backward (Fabric's loop, an interleaved GAN)",
+        FABRIC_RECIPE,
+        "        if self._owed and not self._gradients_wait():\n            self._settle()\n",
+        "",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "interleaved or update_count"),
+    ),
+    Mutation(
+        "rule-b-gradients-wait",
+        "rule (b): the owed update waits while an optimizer that has not stepped since holds gradients produced since"
+        " the update: they never meet a second scale",
+        FABRIC_RECIPE,
+        "            if _has_gradients(optimizer) and (marks is None or not _same_gradients(optimizer, marks)):\n"
+        "                return True\n",
+        "            pass\n",
+        (
+            f"{FABRIC_TESTS}/test_amp_fabric_cases.py",
+            "-k",
+            "own_backward or waits_for_its_step or clip_without_a_step",
+        ),
+    ),
+    Mutation(
+        "rule-b-stepped-optimizers-do-not-hold-the-update",
+        "rule (b): an optimizer that stepped since the update does not hold it back (a critic stepped n times gets an"
+        " update after each step)",
+        FABRIC_RECIPE,
+        "            if optimizer is None or key in self._stepped or self._torch.stage(optimizer, wrappers)[0] is"
+        " OptState.STEPPED:\n",
+        "            if optimizer is None:\n",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "critic"),
+    ),
+    Mutation(
+        "rule-b-gradients-marked-at-the-update",
+        "rule (b): the gradients each optimizer holds at an update are marked, so gradients older than the update do"
+        " not hold the next one back",
+        FABRIC_RECIPE,
+        "        if len(self._fit) > 1:\n            self._update_marks = ",
+        "        if False:\n            self._update_marks = ",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "critic"),
+    ),
+    Mutation(
+        "rule-c-iteration-end-settles",
+        "rule (c): the iteration's end applies the owed update (an iteration that unscaled but did not step backs off)",
+        FABRIC_RECIPE,
+        "        self._settle()\n        self._in_iteration = False\n",
+        "        self._in_iteration = False\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", f"{PRECISION_TESTS}/test_amp_skipped_steps.py"),
+    ),
+    Mutation(
+        "trainer-teardown-applies-the-owed-update",
+        "the end of the fit applies the owed update (a step in `on_train_epoch_end`)",
+        FABRIC_RECIPE,
+        "        self._settle()\n        self._fit.clear()\n",
+        "        self._fit.clear()\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
+    ),
+    Mutation(
+        "fit-forgets-its-optimizers",
+        "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
+        " optimizer's step",
+        FABRIC_RECIPE,
+        "        self._settle()\n        self._fit.clear()\n",
+        "        self._settle()\n",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "reused_by_a_second_trainer"),
+    ),
+    Mutation(
+        "users-own-inf-check-owes-an-update",
+        "an inf check recorded by the user's own `scaler.unscale_` owes an update too",
+        FABRIC_RECIPE,
+        "        if not (self._owed or self._torch.recorded()):\n",
+        "        if not self._owed:\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "users_own_unscale_owes"),
+    ),
+    Mutation(
+        "collected-optimizer-leaves-the-fit",
+        "a collected optimizer leaves the fit: its id is free, and the others still update after their steps",
+        FABRIC_RECIPE,
+        "        recipe._fit.pop(key, None)\n",
+        "        pass\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+    ),
+    # ---- unscale and step ------------------------------------------------------------------------------------------
+    Mutation(
+        "users-own-unscale-is-read",
+        "the user's own `scaler.unscale_(opt)` (or a step since the update) is torch's stage, read: no second unscale",
+        FABRIC_RECIPE,
+        "        if stage is not OptState.READY or (\n",
+        "        if (\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", f"{FABRIC_TESTS}/test_amp_fabric_recipe.py"),
+    ),
+    Mutation(
+        "clip-after-step-changes-nothing",
+        "a clip or unscale of an optimizer that stepped, with no backward since (its step marks), changes nothing: no"
+        " second unscale, no second update, the true norm",
+        FABRIC_RECIPE,
+        "            mark is not None\n            and mark[1]() is grad\n",
+        "            mark is not None\n            and False\n",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "clip_after_the_step"),
+    ),
+    Mutation(
+        "no-unscale-without-gradients",
+        "an unscale of an optimizer without gradients (clipping on a batch without backward) leaves torch no entry",
+        FABRIC_RECIPE,
+        "        if self._torch.sharded or _has_gradients(optimizer):\n            self._unscale(optimizer)\n",
+        "        if True:\n            self._unscale(optimizer)\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "without_gradients"),
+    ),
+    Mutation(
+        "sharded-scaler-always-unscales",
+        "under `ShardedGradScaler` every rank unscales, with gradients or without: its all-reduces stay paired",
+        FABRIC_RECIPE,
+        "        if self._torch.sharded or _has_gradients(optimizer):\n            self._unscale(optimizer)\n",
+        "        if _has_gradients(optimizer):\n            self._unscale(optimizer)\n",
+        (f"{FABRIC_TESTS}/test_fsdp_precision_ranks.py",),
+    ),
+    Mutation(
+        "sharded-scaler-always-steps-through-the-scaler",
+        "under `ShardedGradScaler` a rank without gradients still steps through the scaler",
+        FABRIC_RECIPE,
+        "            if not (self._torch.sharded or _has_gradients(optimizer)):\n",
+        "            if not _has_gradients(optimizer):\n",
+        (f"{FABRIC_TESTS}/test_fsdp_precision_ranks.py",),
+    ),
+    Mutation(
+        "plain-step-without-gradients",
+        "a step with no gradients is a plain step, not torch's bare AssertionError",
+        FABRIC_RECIPE,
+        "            if not (self._torch.sharded or _has_gradients(optimizer)):\n",
+        "            if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (without_gradients or zeroed_grads)"),
+    ),
+    Mutation(
+        "nothing-scaled-error",
+        "by default, a step or clipping before the scaler scaled any loss raises, naming the backward to call (torch's"
+        " AssertionError turned into the recipe's error)",
+        FABRIC_RECIPE,
+        "            if not self._torch.has_scaled():\n                raise _nothing_scaled_error(",
+        "            if False:\n                raise _nothing_scaled_error(",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raises_by_default"),
+    ),
+    Mutation(
+        "stepped-again-refused",
+        "a second step before the update its first step owes, while other gradients wait for it, is refused with the"
+        " recipe's error instead of torch's",
+        FABRIC_RECIPE,
+        "            if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] !="
+        " self._scaled_losses:\n",
+        "            if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "second_step_before_the_update"),
+    ),
+    Mutation(
+        "closures-refused-under-the-scaler",
+        "`opt.step(closure)` under an enabled scaler raises as torch does, instead of stepping on scaled gradients",
+        FABRIC_RECIPE,
+        '        if kwargs.get("closure") is not None:\n',
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "closure"),
+    ),
+    Mutation(
+        "fused-sgd-momentum",
+        "fused SGD gets zero momentum buffers before a first step the scaler may skip",
+        FABRIC_RECIPE,
+        "        if in_kernel and isinstance(optimizer, SGD):\n            _protect_fused_sgd_momentum(optimizer)\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "momentum"),
+    ),
+    Mutation(
+        "fused-sgd-dampening-refused",
+        "fused SGD with dampening, which zero buffers cannot make exact, is refused before any step",
+        TORCH_ADAPTER,
+        '        if group["dampening"] != 0:\n',
+        "        if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "dampening"),
+    ),
+    Mutation(
+        "fused-with-sharded-scaler-steps-on-the-host",
+        "a fused optimizer under `ShardedGradScaler` (1-element inf checks its kernel cannot take) steps as"
+        " `scaler.step` would, decided on the host",
+        FABRIC_RECIPE,
+        "        if holder is optimizer and not (in_kernel and self._torch.sharded):\n",
+        "        if holder is optimizer:\n",
+        (f"{PRECISION_TESTS}/test_fsdp_amp_recipe.py", "-k", "fused"),
+    ),
+    # ---- the user's own unscale through a wrapper -------------------------------------------------------------------
+    Mutation(
+        "wrapper-step-without-scaler-step",
+        "a step after the user's `scaler.unscale_(wrapper)` steps as `scaler.step` would, on the wrapper's entry: no"
+        " second unscale",
+        FABRIC_RECIPE,
+        "        if holder is optimizer and not (in_kernel and self._torch.sharded):\n",
+        "        if not (in_kernel and self._torch.sharded):\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
+    ),
+    Mutation(
+        "wrappers-tracked",
+        "the recipe keeps each tracked optimizer's wrappers, which a user may hand to `scaler.unscale_`",
+        FABRIC_RECIPE,
+        "            self._fit[key][1].append(weakref.ref(wrapper))\n",
+        "            pass\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
+    ),
+    Mutation(
+        "adapter-reads-the-wrappers-entry",
+        "the adapter reads torch's stage under a wrapper's id when the user unscaled through it",
+        TORCH_ADAPTER,
+        "                if wrapper is not None and (state := states.get(id(wrapper))) is not None:\n",
+        "                if False:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
+    ),
+    # ---- gradients that would mix two scales ------------------------------------------------------------------------
+    Mutation(
+        "mark-unscaled-before-a-backward",
+        "before a scaled backward, the gradients it must not reach (unscaled, of another scale, stepped while the update waits) are marked",
+        FABRIC_RECIPE,
+        "        if self._unscaled or self._stale or self._stepped:\n            self._mark_before_backward()\n",
+        "",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "mixed-scales-detected",
+        "unscaled gradients a scaled backward reached (their marks changed) are recorded as mixing two scales",
+        FABRIC_RECIPE,
+        "            if optimizer is not None and not _same_gradients(optimizer, marks):\n"
+        "                self._refused[key] = (error, _gradient_marks(optimizer))\n",
+        "            if False:\n                self._refused[key] = (error, _gradient_marks(optimizer))\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "unscaled-out-of-reach-steps",
+        "unscaled gradients a backward did not reach (their marks unchanged) may still step: a GAN that clips each"
+        " network after its own backward",
+        FABRIC_RECIPE,
+        "            if optimizer is not None and not _same_gradients(optimizer, marks):\n"
+        "                self._refused[key] = (error, _gradient_marks(optimizer))\n",
+        "            if optimizer is not None:\n                self._refused[key] = (error, _gradient_marks(optimizer))\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "gan"),
+    ),
+    Mutation(
+        "refuse-mixed-scales",
+        "gradients that mix two scales are refused at the step and at clipping (the accumulation pitfall)",
+        FABRIC_RECIPE,
+        "            if _same_gradients(optimizer, refused[1]):\n                raise refused[0](optimizer)\n",
+        "            if False:\n                raise refused[0](optimizer)\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "stale-gradients-marked-at-the-update",
+        "gradients unscaled and not stepped when an update is applied are remembered as unscaled with the old scale",
+        FABRIC_RECIPE,
+        "                self._stale[key] = (ref, True, _gradient_marks(optimizer))\n",
+        "                pass\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "unscaled_before_the_update or unscaled_two_updates"),
+    ),
+    Mutation(
+        "stale-gradients-refused-at-the-step",
+        "a step on gradients unscaled before the last update, and not written since, is refused",
+        FABRIC_RECIPE,
+        "                raise (_unscaled_earlier_error if self._stale[key][1] else _scaled_earlier_error)(optimizer)\n",
+        "                pass\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "unscaled_before_the_update or unscaled_two_updates"),
+    ),
+    Mutation(
+        "stale-gradients-written-since-are-a-fresh-cycle",
+        "gradients unscaled before the last update and written since (cleared, computed again) step as torch steps"
+        " them",
+        FABRIC_RECIPE,
+        "        if stale is not None and not _same_gradients(optimizer, stale[2]):\n",
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "until_they_are_written"),
+    ),
+    # ---- the skip signal -------------------------------------------------------------------------------------------
+    Mutation(
+        "skip-signal-step-hook",
+        "a non-fused step's skip is whether its `step()` ran (a step post-hook): decided on the host, no device read",
+        FABRIC_RECIPE,
+        "        if not in_kernel and key not in self._step_hooks:\n",
+        "        if False:\n",
+        (f"{PRECISION_TESTS}/test_amp_skipped_steps.py", "-k", "exactly_on_forced_overflows"),
+    ),
+    Mutation(
+        "skip-signal-of-fused-optimizers",
+        "a fused optimizer's `step()` always runs: its skip is its inf check",
+        FABRIC_RECIPE,
+        "skipped=self._torch.found_inf(holder) if in_kernel else not self._step_ran)",
+        "skipped=not self._step_ran)",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "skip"),
+    ),
+    Mutation(
+        "fused-skip-read-only-when-asked",
+        "a fused optimizer's inf check is read from the device only when someone asks: no host read per step",
+        FABRIC_RECIPE,
+        "        if skipped is None or isinstance(skipped, bool):\n",
+        "        if skipped is None or isinstance(skipped, bool) or bool(skipped):\n",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "host_reads"),
+    ),
+    Mutation(
+        "inf-checks-copied",
+        "the skip signal keeps its own copy of a fused optimizer's inf check: torch's update sums into the first"
+        " optimizer's, in place",
+        TORCH_ADAPTER,
+        "found_infs[0].clone()).reshape(())",
+        "found_infs[0]).reshape(())",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "survives_the_update"),
+    ),
+    Mutation(
+        "skip-signal-hooks-released",
+        "the step hooks of the skip signal go when the fit ends: a raw optimizer kept after the fit pays nothing",
+        FABRIC_RECIPE,
+        "            handle.remove()\n        self._step_hooks.clear()\n",
+        "            pass\n        self._step_hooks.clear()\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "end_fit"),
+    ),
+    Mutation(
+        "schedulers-hold-on-skipped-steps",
+        "a step-interval LR scheduler does not advance on a skipped step",
+        "pytorch/loops/training_epoch_loop.py",
+        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer, sync=False)\n",
+        "                    and False\n",
+        (f"{PRECISION_TESTS}/test_amp_skipped_steps.py",),
+    ),
+    Mutation(
+        "loss-scale-monitor-per-optimizer-step",
+        "`LossScaleMonitor` logs once per optimizer step under gradient accumulation",
+        "pytorch/callbacks/loss_scale_monitor.py",
+        "        if epoch_loop._should_accumulate():\n            return  #",
+        "        if False:\n            return  #",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and loss_scale_monitor"),
+    ),
+    Mutation(
+        "loss-scale-monitor-counts-this-run",
+        "`LossScaleMonitor` counts the skips of its own run: not those of an earlier fit or `lr_find` of the same"
+        " Trainer",
+        "pytorch/callbacks/loss_scale_monitor.py",
+        "        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())\n",
+        "        self._skipped_before_run = 0\n",
+        ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "second_fit or lr_find"),
+    ),
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    Mutation(
+        "checkpoint-mid-iteration",
+        "a checkpoint saved mid-iteration holds the scale the iteration used and leaves the live run alone",
+        FABRIC_RECIPE,
+        "include_owed_update is None and not self._in_iteration",
+        "include_owed_update is None",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and checkpoint"),
+    ),
+    Mutation(
+        "state-dict-is-pure",
+        "the scaler's state for a checkpoint holds the owed update without applying it: a save changes nothing",
+        FABRIC_RECIPE,
+        "            self._torch.project_owed_update(state)\n",
+        "            self._settle()\n            state = self.scaler.state_dict()\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "a_save_changes_nothing"),
+    ),
+    Mutation(
+        "load-consumes-the-owed-update",
+        "a load applies the update owed so far through torch's own `update()` first",
+        FABRIC_RECIPE,
+        "        self._settle()\n        self.scaler.load_state_dict(state_dict)\n",
+        "        self.scaler.load_state_dict(state_dict)\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "consumes"),
+    ),
+    Mutation(
+        "recipe-pickles-without-the-fit",
+        "a pickled plugin (launchers, `ddp_spawn`) leaves the fit, hooks and weak references behind",
+        FABRIC_RECIPE,
+        "            _fit={}, _unscaled={}, ",
+        "            _unscaled={}, ",
+        (f"{FABRIC_TESTS}/test_amp_recipe_pickle.py",),
+    ),
+    Mutation(
+        "disabled-scaler-refused",
+        "a scaler torch disabled is refused before training",
+        TORCH_ADAPTER,
+        "    if scaler is None or scaler.is_enabled():\n        return\n",
+        "    return\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (scaler_disabled or cuda_scaler)"),
+    ),
+    # ---- the opt-in misuse watch -----------------------------------------------------------------------------------
+    Mutation(
+        "watch-is-opt-in",
+        "the misuse watch runs only when the plugin is asked to (`watch_misuse=True`): the default path puts no hook on"
+        " the parameters",
+        PYTORCH_RECIPE,
+        "        if manual and self.scaler is not None and self.watch_misuse:\n",
+        "        if manual and self.scaler is not None:\n",
+        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "registers_no_hook or one_scaler_for_two"),
     ),
     Mutation(
         "trainer-watch",
-        "`loss.backward()` and raw optimizer steps under 16-mixed raise in manual optimization (promise 8)",
+        "with the watch on, `loss.backward()` and raw optimizer steps under 16-mixed raise in manual optimization",
         PYTORCH_RECIPE,
         "            self._recipe.watch_unscaled_backward(optimizers)\n",
         "            pass\n",
@@ -153,374 +583,38 @@ MUTATIONS = (
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "backward or raw"),
     ),
     Mutation(
-        "fabric-teardown-unwatches",
-        "Fabric's teardown takes the watch's hooks off the parameters",
+        "watch-refuses-at-unscale-and-step",
+        "with the watch on, an unscale or step of an optimizer holding gradients of a backward without the scale"
+        " raises",
         FABRIC_RECIPE,
-        "            self._scaler_recipe.finish()\n            self._scaler_recipe.unwatch()\n",
-        "            self._scaler_recipe.finish()\n",
+        "        if self.watch is not None:\n            self.watch.refuse(",
+        "        if False:\n            self.watch.refuse(",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "loss_backward_instead"),
+    ),
+    Mutation(
+        "fabric-teardown-unwatches",
+        "the end of the fit takes the watch's hooks off the parameters",
+        FABRIC_RECIPE,
+        "        self._in_iteration = False\n        self.unwatch()\n",
+        "        self._in_iteration = False\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
     ),
     Mutation(
-        "disabled-scaler-refused",
-        "a scaler torch disabled is refused before training",
-        FABRIC_RECIPE,
-        "    if scaler is None or scaler.is_enabled():\n        return\n",
-        "    return\n",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (scaler_disabled or cuda_scaler)"),
-    ),
-    Mutation(
-        "zero-dim-inf-checks",
-        "fused optimizers get 0-dim inf checks from `ShardedGradScaler` (FSDP + fused)",
-        FABRIC_RECIPE,
-        "            self._torch.zero_dim_inf_checks(optimizer)\n",
-        "            pass\n",
-        (f"{PRECISION_TESTS}/test_fsdp_amp_recipe.py",),
-    ),
-    Mutation(
-        "fused-sgd-momentum",
-        "fused SGD gets zero momentum buffers before a first step the scaler may skip",
-        FABRIC_RECIPE,
-        "        _protect_fused_sgd_momentum(optimizer)\n",
-        "",
-        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "momentum"),
-    ),
-    Mutation(
-        "no-step-without-gradients",
-        "a step with no gradients is a plain step, not torch's bare AssertionError",
-        FABRIC_RECIPE,
-        "        if not unscales_itself and not self._torch.has_inf_check(optimizer):\n",
-        "        if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
-    ),
-    Mutation(
-        "collected-optimizer-released",
-        "a collected optimizer's torch scaler state leaves its id() at once",
-        FABRIC_RECIPE,
-        "            self._torch.set_aside_when_collected(optimizer)\n",
-        "",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
-    ),
-    Mutation(
-        "autocast-off-outside-forward",
-        "`manual_backward`, clipping and the step run with autocast off in manual optimization (promise 1)",
-        PYTORCH_RECIPE,
-        "        if not _autocast_enabled(self._autocast_device):\n            yield\n            return\n",
-        "        yield\n        return\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
-    ),
-    Mutation(
-        "update-when-an-iteration-opens",
-        "an update owed by a step outside an iteration is applied when the next one opens",
-        FABRIC_RECIPE,
-        "        self._settle()\n        self.phase = IterationPhase.INSIDE\n",
-        "        self.phase = IterationPhase.INSIDE\n",
-        (
-            f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",
-            f"{PRECISION_TESTS}/test_amp_differential.py",
-            "-k",
-            "test_fork and on_train_epoch_end or settled_when_the_next_one_starts",
-        ),
-    ),
-    Mutation(
-        "fabric-update-before-the-next-backward",
-        "outside a marked iteration (Fabric's loop), the owed update is applied before the next loss is scaled",
-        FABRIC_RECIPE,
-        "        if self.phase is IterationPhase.OUTSIDE and not self._gradients_wait_for_a_step():\n"
-        "            self._settle()\n",
-        "",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py",),
-    ),
-    Mutation(
-        "users-unscale-through-a-wrapper",
-        "`scaler.unscale_(lightning_optimizer)` by the user is read from the scaler: no second unscale (promise 4)",
-        FABRIC_RECIPE,
-        "        self._torch.adopt(optimizer, aliases)\n",
-        "",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
-    ),
-    Mutation(
-        "dtype-mismatch-advice",
-        "the autocast cache's dtype mismatch gets the `cache_enabled=False` advice",
-        "pytorch/plugins/precision/amp.py",
-        "                if self.cache_enabled and _is_autocast_cache_dtype_mismatch(err):\n",
-        "                if False:\n",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and dtype_mismatch"),
-    ),
-    Mutation(
-        "loss-scale-monitor-per-optimizer-step",
-        "`LossScaleMonitor` logs once per optimizer step under gradient accumulation",
-        "pytorch/callbacks/loss_scale_monitor.py",
-        "        if epoch_loop._should_accumulate():\n            return  #",
-        "        if False:\n            return  #",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and loss_scale_monitor"),
-    ),
-    Mutation(
-        "trainer-clip-returns-the-norm",
-        "`self.clip_gradients` returns the total norm of the unscaled gradients (patch 0021)",
-        "pytorch/core/module.py",
-        "        return self.trainer.precision_plugin.clip_gradients(",
-        "        self.trainer.precision_plugin.clip_gradients(",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and returns_the_unscaled_norm"),
-    ),
-    Mutation(
-        "schedulers-hold-on-skipped-steps",
-        "a step-interval LR scheduler does not advance on a skipped step (patch 0009)",
-        "pytorch/loops/training_epoch_loop.py",
-        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer, sync=False)\n",
-        "                    and False\n",
-        (f"{PRECISION_TESTS}/test_amp_skipped_steps.py",),
-    ),
-    Mutation(
-        "fabric-save-carries-the-scale",
-        "`fabric.save` stores the scaler's state for a state without the plugin (patch 0019)",
-        "fabric/fabric.py",
-        "        if precision_state and not self._holds_precision_state(unwrapped_state):\n",
-        "        if False:\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "resume"),
-    ),
-    Mutation(
-        "fabric-clip-tolerates-overflow",
-        "`fabric.clip_gradients` under a scaler does not raise on an overflow step by default (patch 0020)",
-        "fabric/fabric.py",
-        '                error_if_nonfinite = getattr(self._precision, "scaler", None) is None\n',
-        "                error_if_nonfinite = True\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "clip"),
-    ),
-    Mutation(
-        "fabric-training-iteration",
-        "`fabric.training_iteration()` opens an iteration: one update per iteration in a GAN loop (patch 0022)",
-        "fabric/fabric.py",
-        "        self._precision.training_iteration_start()\n",
-        "",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "interleaved"),
-    ),
-    Mutation(
-        "fabric-step-methods-in-precision",
-        "a LightningModule's step methods go through `forward` (under the precision's autocast) on one device too",
-        "fabric/wrappers.py",
-        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
-        "            and self._forward_module != self._original_module\n",
-        ("tests/tests_fabric/test_fabric_lightning_module.py",),
-    ),
-    Mutation(
-        "fabric-step-methods-keep-hasattr",
-        "on one device only the step methods the module has are redirected: `hasattr` stays as on stock for the others",
-        "fabric/wrappers.py",
-        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
-        "            and (self._forward_module != self._original_module or True)\n",
-        ("tests/tests_fabric/test_fabric_lightning_module.py", "-k", "lacks_still_raises"),
-    ),
-    Mutation(
-        "update-after-the-last-optimizer-steps",
-        "once every optimizer of the run has stepped, the update follows at once: the scale read after the step shows"
-        " a skip, and a second step cycle of one optimizer unscales afresh",
-        FABRIC_RECIPE,
-        "        if any(o is optimizer for o in optimizers) and all(self.stage(o) is OptState.STEPPED for o in optimizers):\n",
-        "        if False:\n",
-        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "says_whether_it_was_skipped or second_step_cycle"),
-    ),
-    Mutation(
         "watch-window",
-        "the watch for backwards without the scale switches itself off after its first updates: no cost per step"
-        " afterwards",
+        "the watch switches itself off after its first updates: no cost per step afterwards",
         FABRIC_RECIPE,
-        "            if watch is not None and self._updates >= watch.ends_at_update and not watch.accumulations:\n"
-        "                self.unwatch()\n",
+        "        if self.watch is not None and self._updates >= self.watch.ends_at_update and not self.watch.accumulations:\n"
+        "            self.unwatch()\n",
         "",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "watch_ends"),
     ),
     Mutation(
-        "inf-checks-copied",
-        "the skip signal and the skip count keep their own copy of each inf check: torch's update sums them into the"
-        " first optimizer's, in place (found by the random event sequences)",
-        FABRIC_RECIPE,
-        "        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone())\n",
-        "        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0])\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "survives_the_update"),
-    ),
-    Mutation(
-        "cleared-unscaled-keeps-its-inf-check",
-        "an optimizer unscaled and cleared stays unscaled, with its inf check, until a backward reaches it",
-        FABRIC_RECIPE,
-        "            self._watch_unscaled(optimizer)\n",
-        "            if _holds_live_gradients(optimizer):\n                self._watch_unscaled(optimizer)\n"
-        "            else:\n                self._restart_step_cycle(optimizer)\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "keep_their_inf_check"),
-    ),
-    Mutation(
-        "refusal-before-any-transition",
-        "a scaled backward refused for gradients without the scale is refused before any optimizer changes stage"
-        "",
-        FABRIC_RECIPE,
-        '            self._watch.refuse("the next scaled backward")\n',
-        "            pass\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_backward"),
-    ),
-    Mutation(
-        "closures-refused-under-the-scaler",
-        "`opt.step(closure)` under an enabled scaler raises as torch does, instead of stepping on scaled gradients"
-        "",
-        FABRIC_RECIPE,
-        '        if kwargs.get("closure") is not None:\n',
-        "        if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "closure"),
-    ),
-    Mutation(
-        "every-step-unscales",
-        "every step goes through the scaler's `unscale_`, whatever the gradients hold (FSDP's all-reduces pair,"
-        " the skip of a step whose clip found an inf)",
-        FABRIC_RECIPE,
-        "        if stage is OptState.READY and self._torch.has_scaled() and not unscales_itself:\n",
-        "        if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "through_the_scalers_unscale or recorded_by_clipping or shard"),
-    ),
-    Mutation(
-        "zeroed-gradients-of-an-earlier-iteration-step",
-        "gradients unscaled in an earlier iteration and zeroed since step as torch steps them",
-        FABRIC_RECIPE,
-        "            if not _holds_live_gradients(optimizer):\n                # zeroed since",
-        "            if False:\n                # zeroed since",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "earlier_iteration_and_zeroed"),
-    ),
-    Mutation(
-        "state-dict-is-pure",
-        "the scaler's state for a checkpoint holds the owed update without applying it: a save changes nothing"
-        "",
-        FABRIC_RECIPE,
-        "            self._torch.project_owed_update(state)\n",
-        "            self._settle()\n            state = self.scaler.state_dict()\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "a_save_changes_nothing"),
-    ),
-    Mutation(
-        "fabric-save-bare-scaler",
-        "a bare `GradScaler` in `fabric.save`'s state is saved as the plugin's state, the owed update included"
-        "",
-        "fabric/fabric.py",
-        "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in unwrapped_state.items()}\n",
-        "            pass\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "bare_scaler and owed_update"),
-    ),
-    Mutation(
-        "trainer-teardown-applies-the-owed-update",
-        "an update owed by a step in `on_train_epoch_end` is applied when training ends",
-        FABRIC_RECIPE,
-        "            self._scaler_recipe.finish()\n",
-        "",
-        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
-    ),
-    Mutation(
-        "trainer-iteration-ends-on-exception",
-        "an exception leaving a training batch ends its iteration: the owed update is kept",
-        "pytorch/loops/training_epoch_loop.py",
-        "                    finally:\n"
-        "                        # an exception ends the iteration too: the update its steps owe is not lost\n"
-        "                        trainer.precision_plugin.training_iteration_end()\n",
-        "                    except BaseException:\n                        raise\n"
-        "                    else:\n                        trainer.precision_plugin.training_iteration_end()\n",
-        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "exception"),
-    ),
-    Mutation(
-        "fabric-iteration-ends-on-exception",
-        "an exception raised in the body of `fabric.training_iteration()` ends the iteration",
-        "fabric/fabric.py",
-        "        finally:\n"
-        "            # an exception raised in the body ends the iteration too: the update its steps owe is not lost\n"
-        "            self._precision.training_iteration_end()\n",
-        "        except BaseException:\n            raise\n        else:\n            self._precision.training_iteration_end()\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "exception_caught"),
-    ),
-    Mutation(
-        "closure-run-by-the-user-steps",
-        "automatic optimization: an `optimizer_step` override that runs the closure and then calls `optimizer.step()`"
-        " steps",
-        PYTORCH_RECIPE,
-        "        steps = not (automatic and loss is None and closure is not do_nothing_closure)\n",
-        "        steps = not (automatic and loss is None)\n",
-        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "runs_the_closure_itself"),
-    ),
-    Mutation(
-        "loss-scale-monitor-counts-this-run",
-        "`LossScaleMonitor` counts the skips of its own run: not those of an earlier fit or `lr_find` of the same"
-        " Trainer",
-        "pytorch/callbacks/loss_scale_monitor.py",
-        "        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())\n",
-        "        self._skipped_before_run = 0\n",
-        ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "second_fit or lr_find"),
-    ),
-    Mutation(
         "watch-goes-with-its-parameters",
-        "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along"
-        "",
+        "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along",
         FABRIC_WATCH,
         "            if optimizer not in self._watched:\n",
         "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "collected_model"),
-    ),
-    Mutation(
-        "pytree-leaf-spec",
-        "a leaf's tree spec comes from `treespec_leaf()`, without torch's deprecation warning (patch 0007)",
-        "pytorch/utilities/_pytree.py",
-        "        return [pytree], treespec_leaf()\n",
-        "        return [pytree], LeafSpec()\n",
-        ("tests/tests_pytorch/utilities/test_pytree_leaf_spec.py",),
-    ),
-    Mutation(
-        "cpu-16-mixed-is-float16",
-        "`precision='16-mixed'` on a CPU gets a CPU gradient scaler where torch has one (patch 0023)",
-        "fabric/connector.py",
-        "    if _TORCH_GREATER_EQUAL_2_3:\n        rank_zero_info(",
-        "    if False:\n        rank_zero_info(",
-        (f"{PRECISION_TESTS}/test_cpu_16_mixed.py", f"{FABRIC_TESTS}/test_cpu_16_mixed.py"),
-    ),
-    Mutation(
-        "skip-signal-without-sync",
-        "a step whose own `step()` ran was not skipped: telling so reads nothing from the device",
-        FABRIC_RECIPE,
-        "        if ran and not in_kernel:\n            self._last[optimizer] = False  # not skipped, and nothing to count\n",
-        "        if False:\n            self._last[optimizer] = False  # not skipped, and nothing to count\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "device_only"),
-    ),
-    Mutation(
-        "skip-signal-of-fused-optimizers",
-        "a fused optimizer's `step()` always runs: its skip is its inf check",
-        FABRIC_RECIPE,
-        "        if ran and not in_kernel:\n",
-        "        if ran:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "device_only"),
-    ),
-    Mutation(
-        "load-consumes-the-owed-update",
-        "a load consumes the update owed so far through torch's own `update()`, instead of clearing torch's state",
-        FABRIC_RECIPE,
-        "        self._settle()\n        self._torch.scaler.load_state_dict(state_dict)\n",
-        "        self._torch.scaler.load_state_dict(state_dict)\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "consumes"),
-    ),
-    Mutation(
-        "empty-entries-dropped",
-        "an unscale without gradients leaves no entry behind at the iteration's end (torch would refuse the next"
-        " unscale, and the recipe would step on scaled gradients)",
-        FABRIC_RECIPE,
-        "        self._torch.drop_empty()\n",
-        "",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "without_gradients_leaves"),
-    ),
-    Mutation(
-        "unscaled-out-of-reach-steps",
-        "an optimizer unscaled and not yet stepped may wait while a backward that does not reach it runs (a GAN that"
-        " clips each network after its own backward)",
-        FABRIC_RECIPE,
-        "            self._watch_unscaled(optimizer)\n",
-        '            raise RuntimeError("unscaled but did not step")\n',
-        ("tests/tests_pytorch/plugins/precision/test_amp_iteration.py", "-k", "gan"),
-    ),
-    Mutation(
-        "skip-signal-hooks-released",
-        "the step hooks of the skip signal go when training ends: a raw optimizer kept after the fit pays nothing",
-        FABRIC_RECIPE,
-        "        self._skips.release()\n        self._records.clear()",
-        "        self._records.clear()",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "goes_when_training_ends"),
     ),
     Mutation(
         "watch-per-thread",
@@ -529,7 +623,7 @@ MUTATIONS = (
         FABRIC_WATCH,
         "        return threading.get_ident() in self._in_flight_per_thread\n",
         "        return self._in_flight > 0\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "same_run"),
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "another_thread"),
     ),
     Mutation(
         "watch-engine-thread-scaled-backward",
@@ -550,65 +644,89 @@ MUTATIONS = (
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engines_threads"),
     ),
     Mutation(
-        "free-check-nothing-scaled",
-        "by default, a step or clipping before the scaler scaled any loss raises, naming the backward to call (issue"
-        " 27, the free checks)",
-        FABRIC_RECIPE,
-        "            raise _nothing_scaled_error(optimizer, self._api)\n",
-        "            pass\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raises_by_default"),
-    ),
-    Mutation(
-        "watch-is-opt-in",
-        "the misuse watch runs only when the plugin is asked to (`watch_misuse=True`): the default path puts no hook on"
-        " the parameters",
-        PYTORCH_RECIPE,
-        "        if manual and self.scaler is not None and self.watch_misuse:\n",
-        "        if manual and self.scaler is not None:\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "registers_no_hook or one_scaler_for_two"),
-    ),
-    Mutation(
-        "fit-forgets-its-optimizers",
-        "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
-        " optimizer's step",
-        FABRIC_RECIPE,
-        "        self._optimizer_wrappers = weakref.WeakSet()\n\n    def training_iteration_start",
-        "\n    def training_iteration_start",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "reused_by_a_second_trainer"),
-    ),
-    Mutation(
-        "clip-after-step-changes-nothing",
-        "a clip or unscale of an optimizer that stepped, with no backward since, changes nothing: no second unscale, no"
-        " second update",
-        FABRIC_RECIPE,
-        "        return record.stepped_gradient() is _first_gradient(optimizer)\n",
-        "        return False\n",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "clip_after_the_step"),
-    ),
-    Mutation(
-        "owed-update-waits-for-gradients-of-this-cycle",
-        "Fabric's owed update waits while an optimizer that has not stepped holds gradients of this cycle: they never"
-        " meet a second scale",
-        FABRIC_RECIPE,
-        "            if _has_gradients(optimizer):\n                return True\n        return False\n",
-        "            pass\n        return False\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "own_backward or waits_for_its_step or clip_without_a_step"),
-    ),
-    Mutation(
-        "skip-decided-on-the-host",
-        "a non-fused step that did not run was skipped: telling so reads nothing from the device",
-        FABRIC_RECIPE,
-        "        self._last[optimizer] = found_inf if in_kernel else True\n",
-        "        self._last[optimizer] = found_inf\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "reads_the_device_only"),
-    ),
-    Mutation(
         "watch-leaves-no-dummy-thread",
         "the watch tells an engine thread without registering it with `threading` (upstream's zombie-thread check)",
         FABRIC_WATCH,
         "    thread = threading._active.get(threading.get_ident())  # type: ignore[attr-defined]\n",
         "    thread = threading.current_thread()\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "engine"),
+    ),
+    # ---- Fabric -----------------------------------------------------------------------------------------------------
+    Mutation(
+        "fabric-save-carries-the-scale",
+        "`fabric.save` stores the scaler's state for a state without the plugin",
+        "fabric/fabric.py",
+        "        if precision_state and not self._holds_precision_state(unwrapped_state):\n",
+        "        if False:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "resume"),
+    ),
+    Mutation(
+        "fabric-save-bare-scaler",
+        "a bare `GradScaler` in `fabric.save`'s state is saved as the plugin's state, the owed update included",
+        "fabric/fabric.py",
+        "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in unwrapped_state.items()}\n",
+        "            pass\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "bare_scaler and owed_update"),
+    ),
+    Mutation(
+        "fabric-clip-tolerates-overflow",
+        "`fabric.clip_gradients` under a scaler does not raise on an overflow step by default",
+        "fabric/fabric.py",
+        '                error_if_nonfinite = getattr(self._precision, "scaler", None) is None\n',
+        "                error_if_nonfinite = True\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "clip"),
+    ),
+    Mutation(
+        "trainer-iteration-ends-on-exception",
+        "an exception leaving a training batch ends its iteration: the owed update is kept",
+        "pytorch/loops/training_epoch_loop.py",
+        "                    finally:\n"
+        "                        # an exception ends the iteration too: the update its steps owe is not lost\n"
+        "                        trainer.precision_plugin.training_iteration_end()\n",
+        "                    except BaseException:\n                        raise\n"
+        "                    else:\n                        trainer.precision_plugin.training_iteration_end()\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "exception_leaving"),
+    ),
+    Mutation(
+        "fabric-step-methods-in-precision",
+        "a LightningModule's step methods go through `forward` (under the precision's autocast) on one device too",
+        "fabric/wrappers.py",
+        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
+        "            and self._forward_module != self._original_module\n",
+        ("tests/tests_fabric/test_fabric_lightning_module.py",),
+    ),
+    Mutation(
+        "fabric-step-methods-keep-hasattr",
+        "on one device only the step methods the module has are redirected: `hasattr` stays as on stock for the others",
+        "fabric/wrappers.py",
+        "            and (self._forward_module != self._original_module or hasattr(self._original_module, item))\n",
+        "            and (self._forward_module != self._original_module or True)\n",
+        ("tests/tests_fabric/test_fabric_lightning_module.py", "-k", "lacks_still_raises"),
+    ),
+    # ---- other patches ---------------------------------------------------------------------------------------------
+    Mutation(
+        "trainer-clip-returns-the-norm",
+        "`self.clip_gradients` returns the total norm of the unscaled gradients",
+        "pytorch/core/module.py",
+        "        return self.trainer.precision_plugin.clip_gradients(",
+        "        self.trainer.precision_plugin.clip_gradients(",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and returns_the_unscaled_norm"),
+    ),
+    Mutation(
+        "pytree-leaf-spec",
+        "a leaf's tree spec comes from `treespec_leaf()`, without torch's deprecation warning",
+        "pytorch/utilities/_pytree.py",
+        "        return [pytree], treespec_leaf()\n",
+        "        return [pytree], LeafSpec()\n",
+        ("tests/tests_pytorch/utilities/test_pytree_leaf_spec.py",),
+    ),
+    Mutation(
+        "cpu-16-mixed-is-float16",
+        "`precision='16-mixed'` on a CPU gets a CPU gradient scaler where torch has one",
+        "fabric/connector.py",
+        "    if _TORCH_GREATER_EQUAL_2_3:\n        rank_zero_info(",
+        "    if False:\n        rank_zero_info(",
+        (f"{PRECISION_TESTS}/test_cpu_16_mixed.py", f"{FABRIC_TESTS}/test_cpu_16_mixed.py"),
     ),
 )
 

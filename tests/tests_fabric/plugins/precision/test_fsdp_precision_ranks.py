@@ -53,23 +53,31 @@ def _rank(rank: int, port: int, out: str) -> None:
     scaler = new_scaler()
 
     def loss_of(models: list, i: int) -> torch.Tensor:
-        # rank 1 holds no gradient for the second optimizer in the first iteration; rank 0 overflows in the second
-        reached = models if rank == 0 or i > 0 else models[:1]
-        loss = sum(nn.functional.mse_loss(m(X), Y) for m in reached)
+        # rank 1 holds no gradient for the second optimizer in the first iteration, where rank 0's gradients of it
+        # overflow (only its): each rank must skip the second optimizer's step and not the first's; rank 0 overflows
+        # entirely in the second iteration
+        if rank == 1 and i == 0:
+            return nn.functional.mse_loss(models[0](X), Y)
+        first, second = (nn.functional.mse_loss(m(X), Y) for m in models)
+        loss = first + (second * float("inf") if i == 0 else second)
         return loss * float("inf") if rank == 0 and i == 1 else loss
 
     scales, equal = [], []
     for i in range(4):
         plugin.backward(loss_of(nets, i), None)
-        plugin.unscale_gradients(opts[0])  # clipping the first
-        torch.nn.utils.clip_grad_norm_(nets[0].parameters(), 0.05)
+        # clipping both, the second first: rank 1 has no gradient for it in the first iteration, and still unscales it
+        # right here, or its all-reduce would pair with the other rank's of the first optimizer
+        for opt, net in reversed(list(zip(opts, nets))):
+            plugin.unscale_gradients(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         for opt in opts:
             plugin.optimizer_step(opt)
             opt.zero_grad()
         # the recipe by hand: every rank unscales every optimizer, in order, then one update
         scaler.scale(loss_of(twins, i)).backward()
-        scaler.unscale_(twin_opts[0])
-        torch.nn.utils.clip_grad_norm_(twins[0].parameters(), 0.05)
+        for opt, twin in reversed(list(zip(twin_opts, twins))):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
         for opt in twin_opts:
             scaler.step(opt)
             opt.zero_grad()
@@ -96,7 +104,7 @@ def test_two_ranks_one_without_gradients_stay_paired_and_follow_the_recipe(tmp_p
     ]
     assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
     results = [json.loads(out.read_text()) for out in outs]
-    assert results[0]["scales"] == results[1]["scales"] == [32.0, 16.0, 32.0, 64.0]  # rank 0's inf backs off both
+    assert results[0]["scales"] == results[1]["scales"] == [8.0, 4.0, 8.0, 16.0]  # rank 0's infs back off both
     assert results[0]["equal"] == results[1]["equal"] == [True] * 4
 
 

@@ -571,8 +571,8 @@ def test_sharded_grad_scaler_records_1_element_inf_checks():
     after it fail inside torch ("output with shape [] doesn't match the broadcast shape [1]", torch 2.13 and 2.14 on
     CPU).
 
-    The fork reads the sharded scaler's inf checks through ``reshape``, unscales every optimizer on every rank with FSDP's
-    scaler (gradients or not), and steps fused optimizers under it on the inf check it reads.
+    The fork reads the sharded scaler's inf checks through ``reshape``, unscales every optimizer on every rank with
+    FSDP's scaler (gradients or not), and steps fused optimizers under it on the inf check it reads.
     """
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

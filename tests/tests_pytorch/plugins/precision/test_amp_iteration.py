@@ -464,3 +464,86 @@ def test_a_gan_that_clips_each_network_after_its_own_backward_equals_the_recipe(
         opt_g.zero_grad()
     for ours, theirs in ((model.g, g), (model.d, d)):
         assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+def test_a_plugin_driven_without_declared_optimizers_updates_after_each_step():
+    """Used on its own (no Trainer declared the fit's optimizers, as in upstream's unit tests of the plugin), each step
+    is its own step cycle: the update follows it, as in stock Lightning."""
+    plugin = _plugin()
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    for _ in range(2):
+        plugin._recipe.scale(param.sum()).backward()
+        plugin._recipe.step(optimizer)
+        optimizer.zero_grad()
+    assert plugin.scaler.get_scale() == 2.0**6  # growth_interval=1: two updates
+
+
+class UnscalesItselfWithoutStepping(LightningModule):
+    """The user's own ``scaler.unscale_(opt)`` and clipping on a batch that does not step (a non-finite guard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.trainer.precision_plugin.scaler.unscale_(opt.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.layer.parameters(), 1e9)
+        opt.zero_grad()  # no step: PyTorch's recipe still calls `scaler.update()`, which the inf check owes
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(6, 4), batch_size=2)
+
+
+def test_the_users_own_unscale_owes_the_update_at_the_batch_end():
+    trainer = _fit_quietly(UnscalesItselfWithoutStepping())
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**4 * 2**3  # one update per batch, three batches
+
+
+class RaisesBetweenTwoSteps(LightningModule):
+    """Two optimizers fed by one backward; the second batch raises after the first optimizer's step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward((self.second(self.first(batch))).float().pow(2).mean())
+        first.step()
+        if batch_idx == 1:
+            raise ValueError("after the first step")
+        second.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.first.parameters(), lr=0.01), torch.optim.SGD(self.second.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(6, 4), batch_size=2)
+
+
+def test_an_exception_leaving_the_batch_applies_the_update_its_step_owes():
+    """The batch is left by an exception after the first optimizer's step: the update that step owes is applied as
+    the batch is left, before the ``on_exception`` callbacks see the scaler (a checkpoint saved there resumes with
+    it)."""
+
+    class ScaleOnException(Callback):
+        def on_exception(self, trainer, *_):
+            self.scale = trainer.precision_plugin.scaler.get_scale()
+            self.saved = trainer.precision_plugin.state_dict()["scale"]
+
+    record = ScaleOnException()
+    with pytest.raises(ValueError, match="after the first step"):
+        _fit_quietly(RaisesBetweenTwoSteps(), callbacks=[record])
+    # batch 0: one update after both steps; batch 1: the update the first step owes, as the batch is left
+    assert record.scale == record.saved == 2.0**4 * 2**2

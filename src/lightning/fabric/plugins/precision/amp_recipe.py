@@ -176,8 +176,7 @@ class GradScalerRecipe:
         self.unwatch()
 
     def iteration_start(self) -> None:
-        self._settle()
-        self._in_iteration = True
+        self._in_iteration = True  # the update owed before it was applied at the last iteration's end or backward
 
     def iteration_end(self) -> None:
         """A loop closes a training iteration, also when it raised: the owed update is applied."""
@@ -325,9 +324,9 @@ class GradScalerRecipe:
             if mark is not None and grad is not None and mark[1]() is grad and mark[0] == self._scaled_losses:
                 # no backward since its last step: the true gradients it stepped on, skipped as that step was
                 skipped = self.step_was_skipped(optimizer)
-                return self._after_step(optimizer, None if skipped else optimizer.step(**kwargs), skipped=skipped)
+                return self._after_step(optimizer, None if skipped else self._own_step(optimizer, kwargs), skipped=skipped)
             if not (self._torch.sharded or _has_gradients(optimizer)):
-                return self._after_step(optimizer, optimizer.step(**kwargs), skipped=False)  # nothing to unscale or skip on
+                return self._after_step(optimizer, self._own_step(optimizer, kwargs), skipped=False)  # nothing to unscale or skip on
             self._unscale(optimizer)
         if in_kernel and isinstance(optimizer, SGD):
             _protect_fused_sgd_momentum(optimizer)
@@ -341,12 +340,19 @@ class GradScalerRecipe:
             # the wrapper), or a fused kernel cannot take `ShardedGradScaler`'s 1-element inf checks
             found_inf = self._torch.found_inf(holder)
             self._step_ran = found_inf is None or not found_inf.item()
-            output = optimizer.step(**kwargs) if self._step_ran else None
+            output = self._own_step(optimizer, kwargs) if self._step_ran else None
             in_kernel = False  # decided on the host
         self._owed = True
         # the skip signal: torch decided on the host whether `step()` ran; a fused kernel decides on the device, whose
         # inf check is read only when asked
         return self._after_step(optimizer, output, skipped=self._torch.found_inf(holder) if in_kernel else not self._step_ran)
+
+    def _own_step(self, optimizer: Any, kwargs: dict) -> Any:
+        """The optimizer's own step, where the scaler's cannot take it (the opt-in watch knows it is the recipe's)."""
+        if self.watch is None:
+            return optimizer.step(**kwargs)
+        with self.watch.recipe_step(optimizer):
+            return optimizer.step(**kwargs)
 
     def _after_step(self, optimizer: Any, output: Any, skipped: Union[bool, Optional[Tensor]]) -> Any:
         key = id(optimizer)

@@ -19,7 +19,7 @@ gradient scaler. :class:`_AMPRecipePrecision` is their one implementation of eve
 backward, clipping and the optimizer step with autocast off, a closure's forward under autocast again, autocast's weight
 cache cleared after each step, and the scaler driven through
 :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe` (unscale once before gradients are read, one
-update per training batch, the skip signal).
+update rule, the skip signal).
 """
 
 from collections.abc import Generator
@@ -97,10 +97,11 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         In automatic optimization these already run outside it and nothing changes.
 
         """
-        if not _autocast_enabled(self._autocast_device):
+        device = self._autocast_device
+        if not _autocast_enabled(device):
             yield
             return
-        with torch.autocast(self._autocast_device, enabled=False):
+        with torch.autocast(device, enabled=False):
             yield
 
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
@@ -123,11 +124,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        watch = None if self.scaler is None else self._recipe.watch
+        recipe = None if self.scaler is None else self._scaler_recipe  # `pre_backward` made it, for this scaler
+        watch = None if recipe is None else recipe.watch
         with self._outside_forward_context(), watch.scaled_backward() if watch is not None else nullcontext():
             super().backward(tensor, model, optimizer, *args, **kwargs)
-        if self.scaler is not None and self._recipe.reach_marks:
-            self._recipe.after_backward()
+        if recipe is not None and recipe.reach_marks:
+            recipe.after_backward()
         if self.cache_enabled:
             # the graph that needed the cached casts is gone: free them now, as a run without the cache would
             torch.clear_autocast_cache()
@@ -165,16 +167,17 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on;
         # an `optimizer_step` override that ran the closure itself and calls `optimizer.step()` without it does step
         steps = not (automatic and loss is None and closure is not do_nothing_closure)
+        recipe = self._recipe
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
-            self._recipe.unscale(optimizer, required=False)
+            recipe.unscale(optimizer, required=False)
         self._after_closure(model, optimizer)
         if not steps:
-            self._recipe.forget_last_step(optimizer)
+            recipe.forget_last_step(optimizer)
             return loss
-        # the scaler skips the step on inf/NaN gradients; its one update follows in `training_iteration_end`
-        return self._recipe.step(optimizer, **kwargs)
+        # the scaler skips the step on inf/NaN gradients; the update it owes follows by the recipe's rule
+        return recipe.step(optimizer, **kwargs)
 
     @override
     def clip_gradients(
