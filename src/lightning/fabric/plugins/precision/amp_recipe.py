@@ -321,8 +321,8 @@ class GradScalerRecipe:
         unscales_itself = in_kernel and _handles_unscaling_itself(optimizer)
         if stage is OptState.READY and not unscales_itself:
             mark, grad = self._step_marks.get(key), optimizer.param_groups[0]["params"][0].grad
-            if mark is not None and grad is not None and mark[1]() is grad and mark[0] == self._scaled_losses:
-                # no backward since its last step: the true gradients it stepped on, skipped as that step was
+            if mark is not None and grad is not None and mark[1]() is grad and mark[2] == grad._version:
+                # untouched since its last step: the true gradients it stepped on, skipped as that step was
                 skipped = self.step_was_skipped(optimizer)
                 return self._after_step(optimizer, None if skipped else self._own_step(optimizer, kwargs), skipped=skipped)
             if not (self._torch.sharded or _has_gradients(optimizer)):
