@@ -451,7 +451,7 @@ def test_fused_optimizers_follow_the_grad_scale_protocol(name):
     """Built-in ``fused=True`` optimizers set ``_step_supports_amp_scaling`` and their ``step`` takes no ``grad_scaler``
     argument; ``fused=False`` ones do not set it.
 
-    The fork's ``_handles_unscaling_itself`` is False for them: they are unscaled through the scaler like any other
+    The fork's ``_takes_grad_scaler`` is False for their ``step``: they are unscaled through the scaler like any other
     optimizer (promise 6); only an optimizer whose ``step`` takes ``grad_scaler`` unscales by itself.
     """
     param = nn.Parameter(torch.ones(3))

@@ -57,9 +57,9 @@ from torch.optim import SGD, Optimizer
 
 from lightning.fabric.plugins.precision.amp_torch_scaler import (
     OptState,
-    _handles_unscaling_itself,
     _has_gradients,
     _protect_fused_sgd_momentum,
+    _takes_grad_scaler,
     _TorchScaler,
 )
 
@@ -247,7 +247,7 @@ class GradScalerRecipe:
                 twice.
 
         """
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and _handles_unscaling_itself(optimizer):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and _takes_grad_scaler(type(optimizer).step):
             if required:
                 raise _unscales_itself_error(optimizer)
             return
@@ -318,7 +318,7 @@ class GradScalerRecipe:
             if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] != self._scaled_losses:
                 raise _stepped_again_error(optimizer)
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
-        unscales_itself = in_kernel and _handles_unscaling_itself(optimizer)
+        unscales_itself = in_kernel and _takes_grad_scaler(type(optimizer).step)
         if stage is OptState.READY and not unscales_itself:
             mark, grad = self._step_marks.get(key), optimizer.param_groups[0]["params"][0].grad
             if mark is not None and grad is not None and mark[1]() is grad and mark[2] == grad._version:

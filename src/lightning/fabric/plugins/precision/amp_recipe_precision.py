@@ -112,9 +112,10 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
             return super().backward(tensor, model, *args, **kwargs)
-        if self._scaler_recipe is None:  # the first backward: nothing has changed yet
+        recipe = self._scaler_recipe
+        if recipe is None or recipe.scaler is not self.scaler:  # the first backward (of this scaler): nothing changed
             self._check_scaler()
-        recipe = self._recipe
+            recipe = self._recipe
         tensor = recipe.scale(tensor)
         if recipe.watch is None:
             super().backward(tensor, model, *args, **kwargs)

@@ -121,24 +121,12 @@ def _has_gradients(optimizer: Any) -> bool:
     return False
 
 
-def _handles_unscaling_itself(optimizer: Any) -> bool:
-    """Whether ``optimizer.step()`` unscales by itself, ignoring whether ``GradScaler.unscale_`` already ran.
-
-    Built-in fused optimizers (``fused=True``) honour the scaler's state since torch 2.1: ``GradScaler.step`` passes
-    them ``grad_scale=None`` after ``unscale_``, so they can be unscaled like any other. Only the deprecated protocol of
-    a ``grad_scaler`` keyword in ``step()`` leaves the unscaling to the optimizer.
-    """
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    step = getattr(type(optimizer), "step", None)
-    if step is None:  # `step` set on the instance
-        return "grad_scaler" in inspect.signature(optimizer.step).parameters
-    return _takes_grad_scaler(step)
-
-
 @functools.cache
 def _takes_grad_scaler(step: Any) -> bool:
-    # once per class's `step`: `inspect.signature` is too slow for every optimizer step
+    """Whether an optimizer class's ``step`` unscales by itself, whatever ``GradScaler.unscale_`` did: the deprecated
+    protocol of a ``grad_scaler`` keyword. Built-in fused optimizers (``fused=True``) follow the scaler's state since
+    torch 2.1 (``GradScaler.step`` passes them ``grad_scale=None`` after ``unscale_``), so they can be unscaled like any
+    other. Once per class: ``inspect.signature`` is too slow for every step."""
     return "grad_scaler" in inspect.signature(step).parameters
 
 
