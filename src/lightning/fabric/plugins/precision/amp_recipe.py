@@ -137,7 +137,7 @@ class GradScalerRecipe:
         # per optimizer id, gradient marks (`_gradient_marks`): of the fit's optimizers at the last update (several);
         # `_stale`: gradients that carry another scale than the current one, (optimizer, unscaled?, marks at the
         # update); `reach_marks`: before a scaled backward, (optimizer, error, marks) of gradients it must not reach;
-        # `_refused`: (error, marks) of gradients a backward reached anyway, refused until written
+        # `_refused`: (optimizer, error, marks) of gradients a backward reached anyway, refused until written
         self._update_marks: dict[int, list] = {}
         self._stale: dict[int, tuple] = {}
         self.reach_marks: dict[int, tuple] = {}
@@ -195,7 +195,7 @@ class GradScalerRecipe:
         elif not self._owed:
             self._stepped.clear()  # steps without gradients owe nothing: this backward's gradients start the cycle
         self._scaled_losses += 1
-        if self._unscaled or self._stale or self._stepped:
+        if self._unscaled or self._stale or self._stepped or self._refused:
             self._mark_before_backward()
         return self.scaler.scale(loss)
 
@@ -213,28 +213,37 @@ class GradScalerRecipe:
 
     def _mark_before_backward(self) -> None:
         """Before a scaled backward (:meth:`after_backward` compares): gradients of another scale (unscaled, or left
-        from before the update), and gradients of optimizers that stepped while the update waits, must not be reached."""
+        from before the update), of optimizers that stepped while the update waits, and refused ones must not be
+        reached; an optimizer that stepped without gradients and is reached has not stepped on them."""
         for key, (ref, _, marks) in list(self._stale.items()):
             optimizer = ref()
             if optimizer is not None and _same_gradients(optimizer, marks):
                 self.reach_marks[key] = (ref, _mixed_scales_error, marks)
             else:  # written since the update (cleared): a fresh cycle, as torch reads it
                 del self._stale[key]
+        for key, (ref, error, marks) in list(self._refused.items()):
+            optimizer = ref()
+            if optimizer is not None and _same_gradients(optimizer, marks):
+                self.reach_marks[key] = (ref, error, marks)
+            else:  # written since (cleared): nothing mixed remains
+                del self._refused[key]
         for key, ref in self._unscaled.items():
             if (optimizer := ref()) is not None:
                 self.reach_marks[key] = (ref, _mixed_scales_error, _gradient_marks(optimizer))
         for key in self._stepped:
             if (optimizer := self._optimizer(key)) is not None:
-                self.reach_marks[key] = (weakref.ref(optimizer), _stepped_again_error, _gradient_marks(optimizer))
+                plain = self._step_marks[key][1] is _NO_GRADIENT
+                self.reach_marks[key] = (weakref.ref(optimizer), None if plain else _stepped_again_error, _gradient_marks(optimizer))
 
     def after_backward(self) -> None:
         """The backward of a scaled loss ended: gradients it reached that it must not have are refused until written."""
         for key, (ref, error, marks) in self.reach_marks.items():
             optimizer = ref()
             if optimizer is not None and not _same_gradients(optimizer, marks):
-                self._refused[key] = (error, _gradient_marks(optimizer))
                 self._stepped.discard(key)
-                self._stale.pop(key, None)
+                if error is not None:
+                    self._refused[key] = (ref, error, _gradient_marks(optimizer))
+                    self._stale.pop(key, None)
         self.reach_marks.clear()
 
     def unscale(self, optimizer: Optimizer, required: bool = True) -> None:
@@ -289,8 +298,8 @@ class GradScalerRecipe:
             self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
         refused = self._refused.get(key)
         if refused is not None:
-            if _same_gradients(optimizer, refused[1]):
-                raise refused[0](optimizer)
+            if _same_gradients(optimizer, refused[2]):
+                raise refused[1](optimizer)
             del self._refused[key]  # written since (cleared): nothing mixed remains
         stale = self._stale.get(key)
         if stale is not None and not _same_gradients(optimizer, stale[2]):
