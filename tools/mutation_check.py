@@ -405,6 +405,14 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
     ),
     Mutation(
+        "trainer-unscale-gradients",
+        "the Trainer's `unscale_gradients` unscales (once per update, whoever asks first)",
+        PYTORCH_RECIPE,
+        "        if self.scaler is not None:\n            self._recipe.unscale(self._unwrap(optimizer))\n\n    @override\n    def optimizer_step_was_skipped",
+        "        pass\n\n    @override\n    def optimizer_step_was_skipped",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "unscale_gradients_unscales_once"),
+    ),
+    Mutation(
         "refused-gradients-stay-refused",
         "gradients refused (mixed scales, stepped again) that another scaled backward reaches stay refused",
         FABRIC_RECIPE,

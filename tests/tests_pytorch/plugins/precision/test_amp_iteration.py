@@ -547,3 +547,23 @@ def test_an_exception_leaving_the_batch_applies_the_update_its_step_owes():
         _fit_quietly(RaisesBetweenTwoSteps(), callbacks=[record])
     # batch 0: one update after both steps; batch 1: the update the first step owes, as the batch is left
     assert record.scale == record.saved == 2.0**4 * 2**2
+
+
+def test_unscale_gradients_unscales_once_per_update_whoever_asks_first():
+    """``MixedPrecision.unscale_gradients`` (what upstream's loops and callbacks call) unscales once per update: a
+    second call, or one after the user's own ``scaler.unscale_(optimizer)``, changes nothing."""
+    plugin = _plugin()
+    layer = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    plugin._recipe.scale(layer(torch.ones(1, 2)).sum()).backward()
+    grad = layer.weight.grad.clone()
+    plugin.unscale_gradients(optimizer)
+    plugin.unscale_gradients(optimizer)
+    assert torch.equal(layer.weight.grad, grad / 2.0**4)
+    plugin._recipe.step(optimizer)  # the update follows (no declared optimizers)
+    optimizer.zero_grad()
+    plugin._recipe.scale(layer(torch.ones(1, 2)).sum()).backward()
+    grad = layer.weight.grad.clone()
+    plugin.scaler.unscale_(optimizer)
+    plugin.unscale_gradients(optimizer)
+    assert torch.equal(layer.weight.grad, grad / plugin.scaler.get_scale())

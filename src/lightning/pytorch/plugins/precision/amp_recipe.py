@@ -193,6 +193,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients once per update, whoever asks first (idempotent)."""
+        if self.scaler is not None:
+            self._recipe.unscale(self._unwrap(optimizer))
+
+    @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
