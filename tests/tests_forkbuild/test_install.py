@@ -181,7 +181,7 @@ def test_import_pytorch_lightning_alone_gets_the_fix(venv: Venv) -> None:
     )
     assert result["lightning_loaded"] == []
     assert "pytorch_lightning.plugins.precision.amp_recipe" in result["mro"]
-    assert "lightning_fabric.plugins.precision.amp_recipe" in result["fabric_mro"]
+    assert "lightning_fabric.plugins.precision.amp_recipe_precision" in result["fabric_mro"]
     assert not [m for m in result["mro"] + result["fabric_mro"] if m.startswith("lightning.")]
     assert result["monitor"] == "pytorch_lightning.callbacks.loss_scale_monitor"
 
