@@ -283,7 +283,7 @@ MUTATIONS = (
         FABRIC_RECIPE,
         "        if self._torch.sharded or _has_gradients(optimizer):\n            self._unscale(optimizer)\n",
         "        if True:\n            self._unscale(optimizer)\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "without_gradients"),
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "optimizer_without_gradients"),
     ),
     Mutation(
         "sharded-scaler-always-unscales",
@@ -317,16 +317,6 @@ MUTATIONS = (
         "            if not self._torch.has_scaled():\n                raise _nothing_scaled_error(",
         "            if False:\n                raise _nothing_scaled_error(",
         (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raises_by_default"),
-    ),
-    Mutation(
-        "stepped-again-refused",
-        "a second step before the update its first step owes, while other gradients wait for it, is refused with the"
-        " recipe's error instead of torch's",
-        FABRIC_RECIPE,
-        "            if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] !="
-        " self._scaled_losses:\n",
-        "            if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "second_step_before_the_update"),
     ),
     Mutation(
         "closures-refused-under-the-scaler",
@@ -403,6 +393,16 @@ MUTATIONS = (
         "                if error is not None:\n                    self._refused[key] = (ref, error, _gradient_marks(optimizer))\n",
         "                if False:\n                    self._refused[key] = (ref, error, _gradient_marks(optimizer))\n",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+    ),
+    Mutation(
+        "stepped-again-refused",
+        "a second step of an optimizer before the update its first step owes, with a backward since, is refused with the"
+        " recipe's error instead of torch's",
+        FABRIC_RECIPE,
+        "            if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] !="
+        " self._scaled_losses:\n",
+        "            if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "random_event_sequences"),
     ),
     Mutation(
         "trainer-unscale-gradients",

@@ -16,6 +16,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -30,7 +31,7 @@ class _Wrapper:  # what `fabric.setup` wraps an optimizer in, as far as the plug
 X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.randn(8, 2)
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, clipped: int) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -65,9 +66,10 @@ def _rank(rank: int, port: int, out: str) -> None:
     scales, equal = [], []
     for i in range(4):
         plugin.backward(loss_of(nets, i), None)
-        # clipping both, the second first: rank 1 has no gradient for it in the first iteration, and still unscales it
-        # right here, or its all-reduce would pair with the other rank's of the first optimizer
-        for opt, net in reversed(list(zip(opts, nets))):
+        # clipping the first, or both with the second first: rank 1 has no gradient for the second in the first
+        # iteration, and still unscales it at its clipping (or its step), or its all-reduce would pair with the other
+        # rank's of the first optimizer
+        for opt, net in reversed(list(zip(opts, nets))[:clipped]):
             plugin.unscale_gradients(opt)
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         for opt in opts:
@@ -75,7 +77,7 @@ def _rank(rank: int, port: int, out: str) -> None:
             opt.zero_grad()
         # the recipe by hand: every rank unscales every optimizer, in order, then one update
         scaler.scale(loss_of(twins, i)).backward()
-        for opt, twin in reversed(list(zip(twin_opts, twins))):
+        for opt, twin in reversed(list(zip(twin_opts, twins))[:clipped]):
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
         for opt in twin_opts:
@@ -91,7 +93,10 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_one_without_gradients_stay_paired_and_follow_the_recipe(tmp_path):
+@pytest.mark.parametrize("clipped", [1, 2], ids=["first-clipped", "both-clipped"])
+def test_two_ranks_one_without_gradients_stay_paired_and_follow_the_recipe(tmp_path, clipped):
+    """Clipped or not, the optimizer without gradients on rank 1 is unscaled there too: at its clipping, or at its
+    step."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,7 +104,7 @@ def test_two_ranks_one_without_gradients_stay_paired_and_follow_the_recipe(tmp_p
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     ranks = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(out)], env=env)
+        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(out), str(clipped)], env=env)
         for rank, out in enumerate(outs)
     ]
     assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
@@ -109,4 +114,4 @@ def test_two_ranks_one_without_gradients_stay_paired_and_follow_the_recipe(tmp_p
 
 
 if __name__ == "__main__":  # a rank of the test above, started by it
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

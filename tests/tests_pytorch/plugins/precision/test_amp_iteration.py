@@ -567,3 +567,16 @@ def test_unscale_gradients_unscales_once_per_update_whoever_asks_first():
     plugin.scaler.unscale_(optimizer)
     plugin.unscale_gradients(optimizer)
     assert torch.equal(layer.weight.grad, grad / plugin.scaler.get_scale())
+
+
+def test_clipping_an_optimizer_without_gradients_leaves_nothing_for_its_next_step():
+    """Clipping an optimizer none of whose parameters has a gradient (its network sat this backward out) unscales
+    nothing: torch would keep an entry without an inf check, which its next update and step refuse."""
+    plugin = _plugin()
+    layer, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    plugin._recipe.scale(other(torch.ones(1, 2)).sum()).backward()  # scaled, not reaching `layer`
+    plugin.clip_gradients(optimizer, clip_val=1.0)
+    plugin._recipe.scale(layer(torch.ones(1, 2)).sum()).backward()
+    plugin._recipe.step(optimizer)  # through the scaler; the update follows (no declared optimizers)
+    assert plugin.scaler.get_scale() == 2.0**5
