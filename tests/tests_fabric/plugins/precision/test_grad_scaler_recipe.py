@@ -11,15 +11,8 @@ import contextlib
 import copy
 import functools
 import gc
-import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
-from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -988,48 +981,8 @@ def test_the_watch_ends_after_its_first_updates_and_end_fit_removes_it():
 # ---- FSDP's ShardedGradScaler on two ranks ---------------------------------------------------------------------------
 
 
-def _sharded_rank(rank: int, port: int, out: str) -> None:
-    """One rank of :func:`test_a_rank_whose_shard_has_no_gradients_unscales_with_the_others`."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    url = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=url, timeout=timedelta(seconds=30))
-    torch.manual_seed(0)
-    net, other = nn.Linear(4, 2), nn.Linear(4, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    recipe = GradScalerRecipe(ShardedGradScaler(device="cpu", init_scale=2.0**4, growth_interval=1))
-    recipe.track(opt)
-    scales = []
-    for i in range(3):
-        recipe.iteration_start()
-        # the shard of rank 1 holds no parameter of `opt`: its loss reaches only `other`
-        _backward(recipe, _loss(net, inf=i == 1) if rank == 0 else _loss(other))
-        recipe.step(opt)
-        recipe.iteration_end()
-        opt.zero_grad()
-        other.zero_grad()
-        scales.append(recipe.scaler.get_scale())
-    Path(out).write_text(json.dumps(scales))
-    dist.destroy_process_group()
-
-
-def test_a_rank_whose_shard_has_no_gradients_unscales_with_the_others(tmp_path):
-    """``ShardedGradScaler.unscale_`` all-reduces the inf check, so every rank must unscale every optimizer, in the same
-    order, even a rank whose shard has no gradients for it: then the inf on one rank skips the step and backs the
-    scale off on both, and no all-reduce is left unpaired (a hang, then gloo's timeout)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tests = str(Path(__file__).parents[3])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
-    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-    ranks = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(out)], env=env)
-        for rank, out in enumerate(outs)
-    ]
-    assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
-    assert [json.loads(out.read_text()) for out in outs] == [[32.0, 16.0, 32.0]] * 2
+# The ranks of `ShardedGradScaler` (one of them without gradients for an optimizer): through Fabric's `FSDPPrecision`
+# in `test_fsdp_precision_ranks.py`.
 
 
 # ---- loops found by review, each one the design says must raise or train right -------------------------------------
@@ -1530,6 +1483,3 @@ def test_random_event_sequences_follow_torchs_scaler(seed):
             ref.load()
             ref.assert_same(f"seed {seed}, after a load")
 
-
-if __name__ == "__main__":  # a rank of the sharded test, started by it
-    _sharded_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -479,13 +479,8 @@ def test_a_plugin_driven_without_declared_optimizers_updates_after_each_step():
     assert plugin.scaler.get_scale() == 2.0**6  # growth_interval=1: two updates
 
 
-class UnscalesItselfWithoutStepping(LightningModule):
+class UnscalesItselfWithoutStepping(TwoStepsPerBatch):
     """The user's own ``scaler.unscale_(opt)`` and clipping on a batch that does not step (a non-finite guard)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.layer = nn.Linear(4, 4)
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -495,24 +490,17 @@ class UnscalesItselfWithoutStepping(LightningModule):
         torch.nn.utils.clip_grad_norm_(self.layer.parameters(), 1e9)
         opt.zero_grad()  # no step: PyTorch's recipe still calls `scaler.update()`, which the inf check owes
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(6, 4), batch_size=2)
-
 
 def test_the_users_own_unscale_owes_the_update_at_the_batch_end():
     trainer = _fit_quietly(UnscalesItselfWithoutStepping())
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**4 * 2**3  # one update per batch, three batches
 
 
-class RaisesBetweenTwoSteps(LightningModule):
+class RaisesBetweenTwoSteps(TwoStepsPerBatch):
     """Two optimizers fed by one backward; the second batch raises after the first optimizer's step."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.automatic_optimization = False
         self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def training_step(self, batch, batch_idx):
@@ -527,9 +515,6 @@ class RaisesBetweenTwoSteps(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.first.parameters(), lr=0.01), torch.optim.SGD(self.second.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(6, 4), batch_size=2)
 
 
 def test_an_exception_leaving_the_batch_applies_the_update_its_step_owes():

@@ -85,13 +85,9 @@ def _gradient_marks(optimizer: Any) -> list:
 
 
 def _same_gradients(optimizer: Any, marks: list) -> bool:
-    return _gradient_marks_match([p.grad for group in optimizer.param_groups for p in group["params"]], marks)
-
-
-def _gradient_marks_match(grads: list, marks: list) -> bool:
-    if len(grads) != len(marks):
-        return False
-    return all([
+    """Whether ``optimizer``'s gradients are still the ones ``marks`` (:func:`_gradient_marks`) describe."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    return len(grads) == len(marks) and all([
         (g is None and m is None) if g is None or m is None else (m[0]() is g and m[1] == g._version)
         for g, m in zip(grads, marks)
     ])
