@@ -98,7 +98,6 @@ docs: setup
 bench:
 	TORCH="$(TORCH)" PYTHON="$(PYTHON)" bash benchmarks/setup.sh
 	benchmarks/.venvs/fork/bin/python benchmarks/run.py $(BENCH_ARGS)
-	benchmarks/.venvs/fork/bin/python benchmarks/hook_cost.py
 
 # gpu-check's environment: `make setup` with a CUDA build of torch (PyPI's torch 2.14.1 is one), in the torch matrix's
 # venv of that torch; GPU_PYTHON=<interpreter> skips the setup and runs the check there (fork, stock copy and torch in it)

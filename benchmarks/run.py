@@ -742,14 +742,9 @@ def main(argv: list[str] | None = None) -> int:
         "default (a `training_step` may edit weights in place between two forwards, which the cache cannot see), as "
         "stock does: both cast every reused weight at every use, so fork/stock is expected at 1, with none of the "
         "automatic rows' gain (pass `MixedPrecision(..., cache_enabled=True)` to get it back).",
-        "- Many small layers: 1,000 tiny parameter tensors, so that work done per parameter shows. Only under 16-mixed "
-        "in manual optimization does the fork add such work: a `register_post_accumulate_grad_hook` on every "
-        "parameter (one Python call per parameter per backward, catching `loss.backward()` without the scale) and an "
-        "optimizer `register_step_pre_hook` (catching a step of the raw optimizer on scaled gradients). The automatic "
-        "and the bf16-mixed manual rows have none of it and show what the fork costs there otherwise; in the automatic "
-        "row the fork's autocast cache is on, which a model that uses each weight once only pays for. "
-        "`benchmarks/hook_cost.py` times a backward of the same model with and without the hooks "
-        "([hook_cost.md](hook_cost.md)).",
+        "- Many small layers: 1,000 tiny parameter tensors, so that work done per parameter shows. By default the "
+        "fork adds none (its misuse watch, which hooks every parameter, is opt-in: `watch_misuse=True`); in the "
+        "automatic row the fork's autocast cache is on, which a model that uses each weight once only pays for.",
     ]
     if args.device == "cpu":
         lines.append(

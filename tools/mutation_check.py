@@ -91,9 +91,18 @@ MUTATIONS = (
     Mutation(
         "autocast-off-outside-forward",
         "`manual_backward`, clipping and the step run with autocast off in manual optimization",
-        PYTORCH_RECIPE,
-        "        if not _autocast_enabled(device):\n            yield\n            return\n",
-        "        yield\n        return\n",
+        TORCH_ADAPTER,
+        "            enabled = torch.is_autocast_enabled(device_type)\n",
+        "            enabled = False\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+    ),
+    Mutation(
+        "autocast-back-on-after-each-region",
+        "autocast is back on after `manual_backward`, clipping and the step: the rest of the `training_step` body is"
+        " forward code",
+        TORCH_ADAPTER,
+        "        if not self._turned_off.pop():\n            return\n",
+        "        return\n",
         (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
     ),
     # ---- the Trainer's plugin around the recipe --------------------------------------------------------------------
@@ -101,7 +110,7 @@ MUTATIONS = (
         "clip-unscales-first",
         "`self.clip_gradients` unscales before clipping",
         PYTORCH_RECIPE,
-        "                self._recipe.unscale(self._unwrap(optimizer))\n",
+        "                recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)\n",
         "                pass\n",
         (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
     ),
@@ -151,7 +160,7 @@ MUTATIONS = (
         "fabric-clip-unscales-first",
         "`fabric.clip_gradients` unscales before clipping",
         FABRIC_PLUGIN,
-        "        if self.scaler is not None:\n            self._recipe.unscale(optimizer)\n",
+        "        recipe.unscale(optimizer)\n",
         "        pass\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "clip"),
     ),
@@ -161,8 +170,8 @@ MUTATIONS = (
         "rule (a): once every optimizer of the fit has stepped since the last update, the update follows at once (the"
         " scale read after the step shows a skip; a critic stepped several times updates after each step)",
         FABRIC_RECIPE,
-        "            if self._fit.keys() <= self._stepped:\n                self._settle()\n",
-        "            if False:\n                self._settle()\n",
+        "            if self._fit.keys() <= self._stepped:\n                self.settle()\n",
+        "            if False:\n                self.settle()\n",
         (
             f"{PRECISION_TESTS}/test_amp_iteration.py",
             "-k",
@@ -181,7 +190,7 @@ MUTATIONS = (
         "rule-b-update-before-the-next-backward",
         "rule (b): the owed update is applied before the next scaled backward (Fabric's loop, an interleaved GAN)",
         FABRIC_RECIPE,
-        "        if self._owed and not self._gradients_wait():\n            self._settle()\n",
+        "        if self._owed and not self._gradients_wait():\n            self.settle()\n",
         "",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "interleaved or update_count"),
     ),
@@ -221,16 +230,16 @@ MUTATIONS = (
     Mutation(
         "rule-c-iteration-end-settles",
         "rule (c): the iteration's end applies the owed update (an iteration that unscaled but did not step backs off)",
-        FABRIC_RECIPE,
-        "        self._settle()\n        self._in_iteration = False\n",
-        "        self._in_iteration = False\n",
+        FABRIC_PLUGIN,
+        "            recipe.settle()\n",
+        "            pass\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", f"{PRECISION_TESTS}/test_amp_skipped_steps.py"),
     ),
     Mutation(
         "trainer-teardown-applies-the-owed-update",
         "the end of the fit applies the owed update (a step in `on_train_epoch_end`)",
         FABRIC_RECIPE,
-        "        self._settle()\n        self._fit.clear()\n",
+        "        self.settle()\n        self._fit.clear()\n",
         "        self._fit.clear()\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
     ),
@@ -239,8 +248,8 @@ MUTATIONS = (
         "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
         " optimizer's step",
         FABRIC_RECIPE,
-        "        self._settle()\n        self._fit.clear()\n",
-        "        self._settle()\n",
+        "        self.settle()\n        self._fit.clear()\n",
+        "        self.settle()\n",
         (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "reused_by_a_second_trainer"),
     ),
     Mutation(
@@ -542,9 +551,9 @@ MUTATIONS = (
     Mutation(
         "checkpoint-mid-iteration",
         "a checkpoint saved mid-iteration holds the scale the iteration used and leaves the live run alone",
-        FABRIC_RECIPE,
-        "include_owed_update is None and not self._in_iteration",
-        "include_owed_update is None",
+        PYTORCH_RECIPE,
+        "include_owed_update=not self._in_iteration",
+        "include_owed_update=True",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and checkpoint"),
     ),
     Mutation(
@@ -552,14 +561,14 @@ MUTATIONS = (
         "the scaler's state for a checkpoint holds the owed update without applying it: a save changes nothing",
         FABRIC_RECIPE,
         "            self._torch.project_owed_update(state)\n",
-        "            self._settle()\n            state = self.scaler.state_dict()\n",
+        "            self.settle()\n            state = self.scaler.state_dict()\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "a_save_changes_nothing"),
     ),
     Mutation(
         "load-consumes-the-owed-update",
         "a load applies the update owed so far through torch's own `update()` first",
         FABRIC_RECIPE,
-        "        self._settle()\n        self.scaler.load_state_dict(state_dict)\n",
+        "        self.settle()\n        self.scaler.load_state_dict(state_dict)\n",
         "        self.scaler.load_state_dict(state_dict)\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "consumes"),
     ),
@@ -618,8 +627,8 @@ MUTATIONS = (
         "fabric-teardown-unwatches",
         "the end of the fit takes the watch's hooks off the parameters",
         FABRIC_RECIPE,
-        "        self._in_iteration = False\n        self.unwatch()\n",
-        "        self._in_iteration = False\n",
+        "        self._stale.clear()\n        self.unwatch()\n",
+        "        self._stale.clear()\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
     ),
     Mutation(
@@ -705,9 +714,9 @@ MUTATIONS = (
         "pytorch/loops/training_epoch_loop.py",
         "                    finally:\n"
         "                        # an exception ends the iteration too: the update its steps owe is not lost\n"
-        "                        trainer.precision_plugin.training_iteration_end()\n",
+        "                        precision_plugin.training_iteration_end()\n",
         "                    except BaseException:\n                        raise\n"
-        "                    else:\n                        trainer.precision_plugin.training_iteration_end()\n",
+        "                    else:\n                        precision_plugin.training_iteration_end()\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "exception_leaving"),
     ),
     Mutation(

@@ -163,7 +163,6 @@ def test_one_optimizer_updates_right_after_each_step():
     """One optimizer: the update follows each step (the ``get_scale()`` skip idiom), clipping reads true gradients."""
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     for inf in (False, True, False):
-        recipe.iteration_start()
         _backward(recipe, _loss(net, inf))
         recipe.unscale(opt)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
@@ -171,7 +170,7 @@ def test_one_optimizer_updates_right_after_each_step():
         recipe.step(opt)
         assert (recipe.scaler.get_scale() < before) is inf  # already updated: the idiom sees the skip
         assert recipe.step_was_skipped(opt) is inf
-        recipe.iteration_end()
+        recipe.settle()
         opt.zero_grad()
 
         scaler.scale(_loss(twin, inf)).backward()
@@ -250,7 +249,7 @@ def test_a_critic_stepped_n_times_before_the_generator_updates_after_each_step(n
         twin_opt_g.zero_grad()
         _torch_step(scaler, gen_loss(twin_g, twin_c, inf), twin_opt_g)
         assert _same(critic, twin_c) and _same(gen, twin_g)
-    recipe.iteration_end()
+    recipe.settle()
     assert recipe.scaler.state_dict() == scaler.state_dict()
 
 
@@ -372,13 +371,12 @@ def test_an_inf_check_without_a_step_backs_the_scale_off_at_the_iterations_end(c
     """A guard that clips, sees non-finite gradients and does not step: the update still runs. An accumulation (no
     unscale, no step) owes none."""
     [net], [opt], _, _, recipe, _ = _fit()
-    recipe.iteration_start()
     _backward(recipe, _loss(net, inf=True))
     if clip:
         recipe.unscale(opt)
         opt.zero_grad()
     assert recipe.update_owed is clip
-    recipe.iteration_end()
+    recipe.settle()
     assert (recipe.scaler.get_scale(), recipe.updates, recipe.update_owed) == (2.0 ** (9 if clip else 10), clip, False)
 
 
@@ -415,9 +413,10 @@ def test_a_load_consumes_the_owed_update():
     assert recipe.scaler.get_scale() == 2.0**6  # grown from the loaded scale (growth_interval=1), not backed off
 
 
-def test_state_dict_holds_the_owed_update_outside_an_iteration_and_changes_nothing():
-    """Inside an iteration a save holds the iteration's own scale (a Trainer re-runs it); outside (Fabric, or a step in
-    ``on_train_epoch_end``) the scale the run continues with. Neither changes the live run."""
+def test_state_dict_holds_the_owed_update_or_the_steps_own_scale_and_changes_nothing():
+    """By default a save holds the scale the run continues with (Fabric, or a step in ``on_train_epoch_end``); asked,
+    the scale the current steps used (a Trainer's save inside an iteration, which it re-runs). Neither changes the live
+    run."""
     nets, opts, _, _, recipe, _ = _fit(2)
     _backward(recipe, _loss(nets[0], inf=True) + _loss(nets[1]))
     recipe.step(opts[0])  # outside any iteration: B's gradients wait, the update is owed
@@ -426,13 +425,12 @@ def test_state_dict_holds_the_owed_update_outside_an_iteration_and_changes_nothi
     recipe.step(opts[1])  # (a): applies it
     for opt in opts:
         opt.zero_grad()
-    recipe.iteration_start()
     _backward(recipe, _loss(nets[0], inf=True))
     recipe.unscale(opts[0])
-    assert recipe.state_dict()["scale"] == 2.0**9  # the iteration's own scale
-    assert recipe.state_dict(include_owed_update=True)["scale"] == 2.0**8
+    assert recipe.state_dict(include_owed_update=False)["scale"] == 2.0**9  # the steps' own scale
+    assert recipe.state_dict()["scale"] == 2.0**8
     assert (recipe.scaler.get_scale(), recipe.updates) == (2.0**9, 1)  # the live run: untouched
-    recipe.iteration_end()
+    recipe.settle()
     assert recipe.scaler.get_scale() == 2.0**8
 
 
@@ -520,10 +518,9 @@ def test_a_step_on_gradients_unscaled_before_the_update_is_refused_until_they_ar
     on them as they are is refused (torch would unscale them a second time); zeroed in place, the step is taken on the
     zeros, as torch takes it."""
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(momentum=0.9)
-    recipe.iteration_start()
     _backward(recipe, _loss(net))
     recipe.unscale(opt)
-    recipe.iteration_end()
+    recipe.settle()
     with pytest.raises(RuntimeError, match="unscaled before the loss scale was updated"):
         recipe.step(opt)
     opt.zero_grad(set_to_none=False)
@@ -553,7 +550,7 @@ def test_a_second_step_before_the_update_while_other_gradients_wait_is_refused()
     assert _same(nets[0], before)
     recipe.step(opts[1])  # B steps; A's refused gradients are not "stepped since": the update waits for the end
     assert recipe.updates == 0
-    recipe.iteration_end()
+    recipe.settle()
     assert recipe.updates == 1
 
 
@@ -608,7 +605,6 @@ def test_an_unscale_without_gradients_leaves_no_state_behind():
     (gradient surgery) are unscaled as in torch's recipe."""
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit()
     for iteration in ("backward", "clip only", "surgery"):
-        recipe.iteration_start()
         opt.zero_grad()
         twin_opt.zero_grad()
         if iteration == "backward":
@@ -628,7 +624,7 @@ def test_an_unscale_without_gradients_leaves_no_state_behind():
             scaler.unscale_(twin_opt)
             scaler.step(twin_opt)
             scaler.update()
-        recipe.iteration_end()
+        recipe.settle()
         assert _same(net, twin), iteration
     assert recipe.scaler.state_dict() == scaler.state_dict()
 
@@ -1027,11 +1023,10 @@ def test_gradients_waiting_for_their_step_across_an_iteration_end_are_not_unscal
     nets, opts, _, _, recipe, _ = _fit(2)
     expected = _true_grads(nets[1], times=2)
     for _ in range(2):
-        recipe.iteration_start()
         _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
         recipe.step(opts[0])
         opts[0].zero_grad()
-        recipe.iteration_end()
+        recipe.settle()
     before = [p.grad.clone() for p in nets[1].parameters()]
     for event in (lambda: recipe.unscale(opts[1]), lambda: recipe.step(opts[1])):
         with pytest.raises(RuntimeError, match="they now mix two scales"):
@@ -1045,7 +1040,7 @@ def test_gradients_waiting_for_their_step_across_an_iteration_end_are_not_unscal
     nets, opts, _, _, recipe, _ = _fit(2)
     _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
     recipe.step(opts[0])
-    recipe.iteration_end()
+    recipe.settle()
     for event in (lambda: recipe.unscale(opts[1]), lambda: recipe.step(opts[1])):
         with pytest.raises(RuntimeError, match="multiplied by a loss scale that the scaler has updated since"):
             event()
@@ -1079,11 +1074,11 @@ def test_gradients_unscaled_two_updates_ago_are_still_refused():
     recipe.unscale(opts[0])
     expected = [p.grad.clone() for p in nets[0].parameters()]
     recipe.step(opts[1])
-    recipe.iteration_end()
+    recipe.settle()
     opts[1].zero_grad()
     _backward(recipe, _loss(nets[1]))
     recipe.unscale(opts[1])
-    recipe.iteration_end()
+    recipe.settle()
     assert recipe.updates == 2
     recipe.unscale(opts[0])
     assert all(torch.equal(p.grad, g) for p, g in zip(nets[0].parameters(), expected))
@@ -1103,10 +1098,9 @@ def test_gradients_unscaled_before_the_update_and_clipped_again_are_not_unscaled
     would, so the recipe takes the gradients for new ones and the step unscales them a second time, as torch's own
     loop ``unscale_``, ``update``, clip, ``step`` does. Telling the two apart would need the gradients' values."""
     [net], [opt], _, _, recipe, _ = _fit()
-    recipe.iteration_start()
     _backward(recipe, _loss(net))
     recipe.unscale(opt)
-    recipe.iteration_end()
+    recipe.settle()
     recipe.unscale(opt)
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)  # multiplies by 1.0, in place
     expected = [p.grad.clone() for p in net.parameters()]
@@ -1138,7 +1132,7 @@ def test_the_last_step_does_not_update_while_an_earlier_stepped_optimizer_holds_
     else:
         with pytest.raises(RuntimeError, match="a backward for its next step ran"):
             recipe.unscale(opts[0])
-    recipe.iteration_end()
+    recipe.settle()
     assert recipe.updates == 1
 
 
@@ -1176,10 +1170,10 @@ def test_refused_gradients_reached_again_by_a_scaled_backward_stay_refused(refus
     if refusal == "stepped-again":
         opts[0].zero_grad()
         _backward(recipe, _loss(nets[0]))  # refused: A stepped while B waits
-        recipe.iteration_end()
+        recipe.settle()
         net, opt = nets[0], opts[0]
     else:
-        recipe.iteration_end()  # B's gradients wait across the update
+        recipe.settle()  # B's gradients wait across the update
         _backward(recipe, _loss(nets[1]))  # refused: two scales
         net, opt = nets[1], opts[1]
     with pytest.raises(RuntimeError):
@@ -1409,7 +1403,7 @@ class _Reference:
 
     def end_iteration(self) -> None:
         projected = self.recipe.state_dict(include_owed_update=True)
-        self.recipe.iteration_end()  # (c)
+        self.recipe.settle()  # (c)
         self.update()
         assert self.recipe.scaler.state_dict() == projected == self.scaler.state_dict()
 
@@ -1454,7 +1448,6 @@ def test_random_event_sequences_follow_torchs_scaler(seed):
     rng = random.Random(seed)
     ref = _Reference(rng, seed)
     for iteration in range(6):
-        ref.recipe.iteration_start()
         for _ in range(rng.randint(1, 6)):
             i = rng.randrange(ref.n)
             event = rng.choice(["zero_grad", "backward", "backward", "clip", "step", "step", "inner", "save"])

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning.fabric.plugins.precision.amp_torch_scaler import _AutocastOff
 from tests_fabric.helpers.amp_world import INIT_SCALE, new_scaler
 from tests_fabric.helpers.torch_features import (
     AUTOCAST_CACHE_IS_SAFE,
@@ -82,8 +83,8 @@ def test_is_autocast_enabled_takes_a_device_from_torch_2_4():
     """``torch.is_autocast_enabled(device_type)`` exists exactly where ``torch.get_autocast_dtype`` does (torch 2.4);
     before, ``torch.is_autocast_enabled()`` answers for CUDA only and ``torch.is_autocast_cpu_enabled()`` for CPU.
 
-    The fork's ``_autocast_enabled(device_type)`` takes ``hasattr(torch, "get_autocast_dtype")`` as the sign of the new
-    API, and falls back to the per-device functions.
+    The fork's ``_AutocastOff(device_type)`` takes ``hasattr(torch, "get_autocast_dtype")`` as the sign of the new API,
+    and falls back to the per-device functions.
     """
     assert (TORCH >= (2, 4)) == AUTOCAST_ENABLED_TAKES_DEVICE
     with warnings.catch_warnings():
@@ -99,6 +100,29 @@ def test_is_autocast_enabled_takes_a_device_from_torch_2_4():
                     torch.is_autocast_enabled("cpu")
         assert not torch.is_autocast_cpu_enabled()
 
+
+
+def test_autocast_off_switches_only_autocast_and_restores_it_nested():
+    """``_AutocastOff`` is ``torch.autocast(device_type, enabled=False)`` on every torch: off inside (nested too), back
+    on after, the dtype untouched; where autocast is off it stays off; an exception restores it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # is_autocast_cpu_enabled is deprecated from 2.4
+        autocast_off = _AutocastOff("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            with autocast_off:
+                assert not torch.is_autocast_cpu_enabled()
+                with autocast_off:
+                    assert not torch.is_autocast_cpu_enabled()
+                assert not torch.is_autocast_cpu_enabled()
+            assert torch.is_autocast_cpu_enabled()
+            assert torch.get_autocast_cpu_dtype() is torch.float16
+            with pytest.raises(ValueError), autocast_off:
+                raise ValueError
+            assert torch.is_autocast_cpu_enabled()
+        with autocast_off:
+            assert not torch.is_autocast_cpu_enabled()
+        assert not torch.is_autocast_cpu_enabled()
+        assert autocast_off._turned_off == []
 
 def test_cpu_fused_optimizers():
     """Fused Adam/AdamW/SGD/Adagrad run on CPU in torch 2.13+, not in torch 2.1 (Adam/AdamW there need CUDA, SGD and

@@ -126,7 +126,6 @@ class GradScalerRecipe:
         self._unscaled: dict[int, weakref.ref] = {}
         self._updates = 0
         self._scaled_losses = 0
-        self._in_iteration = False
         # per optimizer id: (scaled losses, weak first gradient, its version) at its last step, which tell a clip or a
         # step after the step with no backward since
         self._step_marks: dict[int, tuple] = {}
@@ -160,7 +159,7 @@ class GradScalerRecipe:
 
     def end_fit(self) -> None:
         """Training ends: the owed update is applied, and this fit's optimizers are forgotten."""
-        self._settle()
+        self.settle()
         self._fit.clear()
         for handle in self._step_hooks.values():
             handle.remove()
@@ -168,16 +167,7 @@ class GradScalerRecipe:
         self._step_marks.clear()
         self._update_marks.clear()
         self._stale.clear()
-        self._in_iteration = False
         self.unwatch()
-
-    def iteration_start(self) -> None:
-        self._in_iteration = True  # the update owed before it was applied at the last iteration's end or backward
-
-    def iteration_end(self) -> None:
-        """A loop closes a training iteration, also when it raised: the owed update is applied."""
-        self._settle()
-        self._in_iteration = False
 
     # ---- events -------------------------------------------------------------------------------------------------
 
@@ -187,7 +177,7 @@ class GradScalerRecipe:
         The caller runs the backward, then :meth:`after_backward` if :attr:`reach_marks` holds anything.
         """
         if self._owed and not self._gradients_wait():
-            self._settle()
+            self.settle()
         elif not self._owed:
             self._stepped.clear()  # steps without gradients owe nothing: this backward's gradients start the cycle
         self._scaled_losses += 1
@@ -380,17 +370,17 @@ class GradScalerRecipe:
         if key in self._fit:
             self._stepped.add(key)
             if self._fit.keys() <= self._stepped:
-                self._settle()
+                self.settle()
         elif not self._fit:  # nobody declared the fit's optimizers: each step is its own, as in stock Lightning
-            self._settle()
+            self.settle()
         return output
 
     def _optimizer(self, key: int) -> Optional[Any]:
         entry = self._fit.get(key)
         return None if entry is None else entry[0]()
 
-    def _settle(self) -> None:
-        """Apply the owed update, if any."""
+    def settle(self) -> None:
+        """Apply the owed update, if any: rule (c), at a training iteration's end (also when it raised)."""
         if not (self._owed or self._torch.recorded()):
             self._stepped.clear()
             return
@@ -419,24 +409,23 @@ class GradScalerRecipe:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
 
-    def state_dict(self, include_owed_update: Optional[bool] = None) -> dict[str, Any]:
+    def state_dict(self, include_owed_update: bool = True) -> dict[str, Any]:
         """The scaler's state, without changing the live run.
 
         Args:
             include_owed_update: whether the state holds the update owed so far, computed on copies (what the run
-                continues with), or the scale the current steps used. By default it is included outside an iteration
-                and left out inside one (a checkpoint saved from a Trainer's ``training_step`` re-runs the iteration
-                with the scale it had).
+                continues with), or the scale the current steps used (a checkpoint saved from a Trainer's
+                ``training_step`` re-runs the iteration with the scale it had).
 
         """
         state = self.scaler.state_dict()
-        if include_owed_update or (include_owed_update is None and not self._in_iteration):
+        if include_owed_update:
             self._torch.project_owed_update(state)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict``: the owed update is consumed, and every optimizer starts a fresh cycle."""
-        self._settle()
+        self.settle()
         self.scaler.load_state_dict(state_dict)
         self._update_marks.clear()
         self._stale.clear()

@@ -52,6 +52,9 @@ class _ScalerRecipeHolder:
 
     def _init_amp_recipe(self) -> None:
         self._scaler_recipe: Optional[GradScalerRecipe] = None
+        # between the Trainer's `training_iteration_start` and `_end`: a checkpoint saved then keeps the scale the
+        # iteration's steps used (the Trainer re-runs the iteration on resume)
+        self._in_iteration = False
         #: whether the opt-in misuse watch (`amp_misuse_watch`) runs: off by default, it puts a hook on every parameter
         self.watch_misuse = False
 
@@ -70,18 +73,20 @@ class _ScalerRecipeHolder:
     def _finish_amp_recipe(self) -> None:
         """Training ends (the plugin's teardown): the owed update is applied, the watch goes, and this fit's optimizers
         are forgotten (a second fit with this plugin has its own)."""
+        self._in_iteration = False
         if self._scaler_recipe is not None:
             self._scaler_recipe.end_fit()
 
     def training_iteration_start(self) -> None:
         """A loop opens a training iteration (the precision plugins' hook of both packages)."""
-        if self.scaler is not None:
-            self._recipe.iteration_start()
+        self._in_iteration = True
 
     def training_iteration_end(self) -> None:
         """A loop closes a training iteration, also when it raised: the owed update is applied."""
-        if self.scaler is not None:
-            self._recipe.iteration_end()
+        self._in_iteration = False
+        recipe = self._scaler_recipe
+        if recipe is not None and recipe.scaler is self.scaler:  # no recipe for this scaler yet: nothing is owed
+            recipe.settle()
 
     def track_optimizer_wrapper(self, wrapper: Any) -> None:
         if self.scaler is not None:
@@ -145,13 +150,20 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().optimizer_step(optimizer, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise self._lbfgs_error(_LBFGS_MESSAGE)
+        recipe = self._scaler_recipe
+        if recipe is None or recipe.scaler is not self.scaler:
+            recipe = self._recipe
         # the scaler skips the step if the gradients hold inf/NaN
-        return self._recipe.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        return recipe.step(optimizer, **kwargs)  # type: ignore[arg-type]
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.scaler is not None:
-            self._recipe.unscale(optimizer)
+        if self.scaler is None:
+            return
+        recipe = self._scaler_recipe
+        if recipe is None or recipe.scaler is not self.scaler:
+            recipe = self._recipe
+        recipe.unscale(optimizer)
 
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:

@@ -22,8 +22,6 @@ cache cleared after each step, and the scaler driven through
 update rule, the skip signal).
 """
 
-from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -36,7 +34,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API
 from lightning.fabric.plugins.precision.amp_recipe_precision import _LBFGS_MESSAGE, _ScalerRecipeHolder
-from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_enabled
+from lightning.fabric.plugins.precision.amp_torch_scaler import _AutocastOff
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -62,6 +60,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     @property
     def _autocast_device(self) -> str:
         raise NotImplementedError
+
+    @override
+    def _init_amp_recipe(self) -> None:
+        super()._init_amp_recipe()
+        # the parts of a `training_step` that are not forward code (backward, clipping, the step) leave autocast
+        self._outside_forward_context = _AutocastOff(self._autocast_device)
 
     @override
     def connect(
@@ -90,29 +94,18 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def _unwrap(optimizer: Any) -> Optimizer:
         return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
-    @contextmanager
-    def _outside_forward_context(self) -> Generator[None, None, None]:
-        """Leave the forward context for the parts of a ``training_step`` that are not forward code.
-
-        In automatic optimization these already run outside it and nothing changes.
-
-        """
-        device = self._autocast_device
-        if not _autocast_enabled(device):
-            yield
-            return
-        with torch.autocast(device, enabled=False):
-            yield
-
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
         with self.forward_context():
             return closure()
 
     @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        with self._outside_forward_context():
+        with self._outside_forward_context:
             if self.scaler is not None:
-                tensor = self._recipe.scale(tensor)
+                recipe = self._scaler_recipe
+                if recipe is None or recipe.scaler is not self.scaler:
+                    recipe = self._recipe
+                tensor = recipe.scale(tensor)
             return super().pre_backward(tensor, module)
 
     @override
@@ -126,8 +119,12 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     ) -> None:
         recipe = None if self.scaler is None else self._scaler_recipe  # `pre_backward` made it, for this scaler
         watch = None if recipe is None else recipe.watch
-        with self._outside_forward_context(), watch.scaled_backward() if watch is not None else nullcontext():
-            super().backward(tensor, model, optimizer, *args, **kwargs)
+        with self._outside_forward_context:
+            if watch is None:
+                super().backward(tensor, model, optimizer, *args, **kwargs)
+            else:
+                with watch.scaled_backward():
+                    super().backward(tensor, model, optimizer, *args, **kwargs)
         if recipe is not None and recipe.reach_marks:
             recipe.after_backward()
         if self.cache_enabled:
@@ -136,38 +133,45 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        with self._outside_forward_context():
+        with self._outside_forward_context:
             return super().post_backward(tensor, module)
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if not model.automatic_optimization and closure is not do_nothing_closure:
+        automatic = model.automatic_optimization
+        if not automatic and closure is not do_nothing_closure:
             # the user's closure holds forward code: it runs under autocast as the `training_step` body does
             closure = partial(self._in_forward_context, closure)
-        with self._outside_forward_context():
+        with self._outside_forward_context:
             if self.scaler is None:
                 output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             else:
-                output = self._scaled_optimizer_step(optimizer, model, closure, **kwargs)
+                output = self._scaled_optimizer_step(optimizer, model, closure, automatic, **kwargs)
         if self.cache_enabled:
             # the step changed the weights in place: casts cached before it are stale
             torch.clear_autocast_cache()
         return output
 
     def _scaled_optimizer_step(
-        self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+        self,
+        optimizer: Optimizable,
+        model: "pl.LightningModule",
+        closure: Callable[[], Any],
+        automatic: bool,
+        **kwargs: Any,
     ) -> Any:
         if isinstance(optimizer, LBFGS):
             raise self._lbfgs_error(_LBFGS_MESSAGE)
-        automatic = model.automatic_optimization
         loss = closure()  # in manual optimization the closure usually returns nothing
-        optimizer = self._unwrap(optimizer)
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on;
         # an `optimizer_step` override that ran the closure itself and calls `optimizer.step()` without it does step
         steps = not (automatic and loss is None and closure is not do_nothing_closure)
-        recipe = self._recipe
+        recipe = self._scaler_recipe
+        if recipe is None or recipe.scaler is not self.scaler:
+            recipe = self._recipe
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
@@ -186,10 +190,13 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> Optional[Tensor]:
-        with self._outside_forward_context():
+        with self._outside_forward_context:
             if clip_val > 0 and self.scaler is not None:
                 # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
-                self._recipe.unscale(self._unwrap(optimizer))
+                recipe = self._scaler_recipe
+                if recipe is None or recipe.scaler is not self.scaler:
+                    recipe = self._recipe
+                recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
             return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
@@ -208,8 +215,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.scaler is None:
             return {}
-        # mid-iteration (a checkpoint from `training_step` or a step hook) the live run is left untouched
-        return self._recipe.state_dict()
+        # mid-iteration (a checkpoint from `training_step` or a step hook) the iteration's own scale: the Trainer
+        # re-runs the iteration on resume; outside one, the scale the run continues with. Neither changes the run
+        return self._recipe.state_dict(include_owed_update=not self._in_iteration)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
