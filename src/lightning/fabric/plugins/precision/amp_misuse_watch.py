@@ -64,15 +64,12 @@ class _UnscaledBackwardWatch:
         self._api = api
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.accumulations: dict[int, Tensor] = {}
-        # this run's scaled backwards in flight (another run's hide nothing), by the Python thread that runs them, so
-        # that a backward without the scale in another thread is seen; a reentrant checkpoint's nested backward runs
-        # on the thread of the outer one. The autograd engine's own threads (CUDA's device threads) run the nodes of
-        # every thread's backward: a hook there, or any hook while a scaled backward runs on one (the CPU parameters
-        # of a CUDA loss's backward), can only go by the count of the run, and misses a concurrent misuse there
+        # this run's scaled backwards in flight (another run's hide nothing): while one is, every accumulation of the
+        # run carries the scale, in any thread, since the autograd engine runs a CUDA loss's nodes on threads of its
+        # own. A backward without the scale concurrent with a scaled one goes unseen: a missed misuse, never a false
+        # error
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._in_flight_per_thread: dict[int, int] = {}
-        self._in_flight_on_engine_threads = 0
         self._recipe_steps: set[int] = set()
         self.ends_at_update = 0
 
@@ -104,30 +101,13 @@ class _UnscaledBackwardWatch:
     def scaled_backward(self) -> Generator[None, None, None]:
         """A backward of a loss the scaler scaled: what it accumulates carries the scale."""
         self.refuse("a scaled backward")
-        thread, on_engine_thread = threading.get_ident(), _on_an_engine_thread()
         with self._lock:
             self._in_flight += 1
-            if on_engine_thread:
-                self._in_flight_on_engine_threads += 1
-            else:
-                self._in_flight_per_thread[thread] = self._in_flight_per_thread.get(thread, 0) + 1
         try:
             yield
         finally:
             with self._lock:
                 self._in_flight -= 1
-                if on_engine_thread:
-                    self._in_flight_on_engine_threads -= 1
-                elif self._in_flight_per_thread[thread] > 1:
-                    self._in_flight_per_thread[thread] -= 1
-                else:
-                    del self._in_flight_per_thread[thread]
-
-    def carries_the_scale(self) -> bool:
-        """Whether the backward that runs the current hook is a scaled backward of this run."""
-        if self._in_flight_on_engine_threads or _on_an_engine_thread():
-            return self._in_flight > 0
-        return threading.get_ident() in self._in_flight_per_thread
 
     def refuse(self, where: str, optimizer: Optional[Any] = None) -> None:
         """Raise if parameters (of ``optimizer``, or any) hold live gradients a backward without the scale
@@ -187,15 +167,8 @@ def _holds_live_gradients(optimizer: Any) -> bool:
 
 def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
     watch = watch_ref()
-    if watch is not None and not watch.carries_the_scale():
+    if watch is not None and not watch._in_flight:
         watch.accumulations[id(param)] = param
-
-
-def _on_an_engine_thread() -> bool:
-    # a thread that Python's `threading` did not start: the autograd engine's (or one started with `_thread`). Not
-    # `threading.current_thread()`, which would register such a thread with `threading` for good
-    thread = threading._active.get(threading.get_ident())  # type: ignore[attr-defined]
-    return thread is None or isinstance(thread, threading._DummyThread)
 
 
 def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:

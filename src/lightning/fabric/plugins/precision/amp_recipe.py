@@ -190,7 +190,9 @@ class GradScalerRecipe:
         produced since then."""
         for key, (ref, wrappers) in self._fit.items():
             optimizer = ref()
-            if optimizer is None or key in self._stepped or self._torch.stage(optimizer, wrappers)[0] is OptState.STEPPED:
+            if optimizer is None or key in self._stepped:
+                continue
+            if self._torch.stage(optimizer, wrappers)[0] is OptState.STEPPED:
                 continue
             marks = self._update_marks.get(key)
             if _has_gradients(optimizer) and (marks is None or not _same_gradients(optimizer, marks)):
@@ -217,9 +219,9 @@ class GradScalerRecipe:
             if (optimizer := ref()) is not None:
                 self.reach_marks[key] = (ref, _mixed_scales_error, _gradient_marks(optimizer))
         for key in self._stepped:
-            if (optimizer := self._optimizer(key)) is not None:
-                plain = self._step_marks[key][1] is _NO_GRADIENT
-                self.reach_marks[key] = (weakref.ref(optimizer), None if plain else _stepped_again_error, _gradient_marks(optimizer))
+            if key in self._fit and (optimizer := self._fit[key][0]()) is not None:
+                error = None if self._step_marks[key][1] is _NO_GRADIENT else _stepped_again_error  # a plain step: none
+                self.reach_marks[key] = (weakref.ref(optimizer), error, _gradient_marks(optimizer))
 
     def after_backward(self) -> None:
         """The backward of a scaled loss ended: gradients it reached that it must not have are refused until written."""
@@ -251,7 +253,7 @@ class GradScalerRecipe:
             self._refuse(optimizer)
             stale = self._stale.get(key)
             if stale is not None and not stale[1]:
-                raise _scaled_earlier_error(optimizer)
+                raise _stale_error(optimizer, unscaled=False)
         if key in self._unscaled or key in self._stale:
             return  # unscaled already (in this cycle, or before the last update and not written since)
         stage = self._torch.stage(optimizer, self._fit[key][1] if key in self._fit else ())[0]
@@ -305,12 +307,13 @@ class GradScalerRecipe:
         if self.watch is not None or key in self._refused or key in self._stale:
             self._refuse(optimizer)
             if key in self._stale:
-                raise (_unscaled_earlier_error if self._stale[key][1] else _scaled_earlier_error)(optimizer)
+                raise _stale_error(optimizer, unscaled=self._stale[key][1])
         if key in self._unscaled:
             stage, holder = OptState.UNSCALED, optimizer
         else:
             stage, holder = self._torch.stage(optimizer, self._fit[key][1] if key in self._fit else ())
-            if stage is OptState.STEPPED and self._step_marks.get(key, (self._scaled_losses,))[0] != self._scaled_losses:
+            stepped_at = self._step_marks.get(key, (self._scaled_losses,))[0]
+            if stage is OptState.STEPPED and stepped_at != self._scaled_losses:
                 raise _stepped_again_error(optimizer)
         in_kernel = getattr(optimizer, "_step_supports_amp_scaling", False)
         unscales_itself = in_kernel and _takes_grad_scaler(type(optimizer).step)
@@ -319,9 +322,9 @@ class GradScalerRecipe:
             if mark is not None and grad is not None and mark[1]() is grad and mark[2] == grad._version:
                 # untouched since its last step: the true gradients it stepped on, skipped as that step was
                 skipped = self.step_was_skipped(optimizer)
-                return self._after_step(optimizer, None if skipped else self._own_step(optimizer, kwargs), skipped=skipped)
-            if not (self._torch.sharded or _has_gradients(optimizer)):
-                return self._after_step(optimizer, self._own_step(optimizer, kwargs), skipped=False)  # nothing to unscale or skip on
+                return self._after_step(optimizer, None if skipped else self._own_step(optimizer, kwargs), skipped)
+            if not (self._torch.sharded or _has_gradients(optimizer)):  # nothing to unscale or skip on
+                return self._after_step(optimizer, self._own_step(optimizer, kwargs), skipped=False)
             self._unscale(optimizer)
         if in_kernel and isinstance(optimizer, SGD):
             _protect_fused_sgd_momentum(optimizer)
@@ -340,7 +343,7 @@ class GradScalerRecipe:
         self._owed = True
         # the skip signal: torch decided on the host whether `step()` ran; a fused kernel decides on the device, whose
         # inf check is read only when asked
-        return self._after_step(optimizer, output, skipped=self._torch.found_inf(holder) if in_kernel else not self._step_ran)
+        return self._after_step(optimizer, output, self._torch.found_inf(holder) if in_kernel else not self._step_ran)
 
     def _own_step(self, optimizer: Any, kwargs: dict) -> Any:
         """The optimizer's own step, where the scaler's cannot take it (the opt-in watch knows it is the recipe's)."""
@@ -364,9 +367,8 @@ class GradScalerRecipe:
         self._unscaled.pop(key, None)
         # the first parameter's gradient, weakly, and its version: replaced or written means new gradients
         grad = optimizer.param_groups[0]["params"][0].grad
-        self._step_marks[key] = (
-            (self._scaled_losses, _NO_GRADIENT, -1) if grad is None else (self._scaled_losses, weakref.ref(grad), grad._version)
-        )
+        n = self._scaled_losses
+        self._step_marks[key] = (n, _NO_GRADIENT, -1) if grad is None else (n, weakref.ref(grad), grad._version)
         if key in self._fit:
             self._stepped.add(key)
             if self._fit.keys() <= self._stepped:
@@ -374,10 +376,6 @@ class GradScalerRecipe:
         elif not self._fit:  # nobody declared the fit's optimizers: each step is its own, as in stock Lightning
             self.settle()
         return output
-
-    def _optimizer(self, key: int) -> Optional[Any]:
-        entry = self._fit.get(key)
-        return None if entry is None else entry[0]()
 
     def settle(self) -> None:
         """Apply the owed update, if any: rule (c), at a training iteration's end (also when it raised)."""
@@ -557,19 +555,17 @@ def _nothing_scaled_error(optimizer: Any, api: _RunAPI) -> RuntimeError:
     )
 
 
-def _scaled_earlier_error(optimizer: Any) -> RuntimeError:
+def _stale_error(optimizer: Any, unscaled: bool) -> RuntimeError:
+    if unscaled:
+        where, why = "clips or unscales", "they were unscaled before the loss scale was updated, and it steps only now"
+    else:
+        where, why = "whose backward produced", (
+            "they were multiplied by a loss scale that the scaler has updated since (at the end of an iteration), so no"
+            " unscale can give the true gradients"
+        )
     return RuntimeError(
-        f"Step {type(optimizer).__name__} in the iteration whose backward produced its gradients, or zero them and"
-        " compute them again: they were multiplied by a loss scale that the scaler has updated since (at the end of an"
-        " iteration), so no unscale can give the true gradients. The step was not taken."
-    )
-
-
-def _unscaled_earlier_error(optimizer: Any) -> RuntimeError:
-    return RuntimeError(
-        f"Step {type(optimizer).__name__} in the iteration that clips or unscales its gradients, or zero them and"
-        " compute them again: they were unscaled before the loss scale was updated, and the optimizer steps on them"
-        " only now. The step was not taken."
+        f"Step {type(optimizer).__name__} in the iteration that {where} its gradients, or zero them and compute them"
+        f" again: {why}. The step was not taken."
     )
 
 

@@ -12,8 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 """The gradient scaler's part of the precision plugins that may scale the loss, in Fabric and in the Trainer: one
-implementation of PyTorch's AMP recipe, through :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
-"""
+implementation of PyTorch's AMP recipe, through :class:`~lightning.fabric.plugins.precision.amp_recipe.
+GradScalerRecipe`."""
 
 from typing import Any, Optional
 

@@ -79,7 +79,10 @@ class _TorchScaler:
         found_infs = [] if state is None else list(state["found_inf_per_device"].values())
         if not found_infs:
             return None
-        return sum((f.to(found_infs[0].device) for f in found_infs[1:]), found_infs[0].clone()).reshape(())
+        found_inf = found_infs[0].clone()
+        for other in found_infs[1:]:
+            found_inf += other.to(found_inf.device)
+        return found_inf.reshape(())
 
     def has_scaled(self) -> bool:
         """Whether the scaler scaled a loss yet (before, it has no scale to unscale with)."""
@@ -112,41 +115,30 @@ class _AutocastOff:
 
     Example::
 
-        autocast_off = _AutocastOff("cpu")
-        with torch.autocast("cpu", dtype=torch.bfloat16), autocast_off:
+        with torch.autocast("cpu", dtype=torch.bfloat16), _AutocastOff("cpu"):
             assert not torch.is_autocast_cpu_enabled()
 
     """
 
     def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
+        if _AUTOCAST_TAKES_A_DEVICE:
+            self._is_on = functools.partial(torch.is_autocast_enabled, device_type)
+            self._switch = functools.partial(torch.set_autocast_enabled, device_type)
+        elif device_type == "cpu":
+            self._is_on, self._switch = torch.is_autocast_cpu_enabled, torch.set_autocast_cpu_enabled
+        else:  # CUDA's
+            self._is_on, self._switch = torch.is_autocast_enabled, torch.set_autocast_enabled
         self._turned_off: list[bool] = []
 
     def __enter__(self) -> None:
-        device_type = self.device_type
-        if _AUTOCAST_TAKES_A_DEVICE:
-            enabled = torch.is_autocast_enabled(device_type)
-            if enabled:
-                torch.set_autocast_enabled(device_type, False)
-        elif device_type == "cpu":
-            enabled = torch.is_autocast_cpu_enabled()
-            if enabled:
-                torch.set_autocast_cpu_enabled(False)
-        else:
-            enabled = torch.is_autocast_enabled()
-            if enabled:
-                torch.set_autocast_enabled(False)
-        self._turned_off.append(enabled)
+        on = self._is_on()
+        if on:
+            self._switch(False)
+        self._turned_off.append(on)
 
     def __exit__(self, *_: Any) -> None:
-        if not self._turned_off.pop():
-            return
-        if _AUTOCAST_TAKES_A_DEVICE:
-            torch.set_autocast_enabled(self.device_type, True)
-        elif self.device_type == "cpu":
-            torch.set_autocast_cpu_enabled(True)
-        else:
-            torch.set_autocast_enabled(True)
+        if self._turned_off.pop():
+            self._switch(True)
 
 
 def _has_gradients(optimizer: Any) -> bool:
