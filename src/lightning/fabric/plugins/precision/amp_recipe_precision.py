@@ -95,21 +95,14 @@ class _ScalerRecipeHolder:
 
 class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
-    ``FSDPPrecision``): one implementation of PyTorch's AMP recipe through
-    :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
+    ``FSDPPrecision``), through :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
 
-    Fabric's loop belongs to the user. The ``scaler.update()`` a step owes follows the step of the last optimizer
-    ``fabric.setup`` wrapped, so several optimizers fed by one backward are all unscaled with the scale that scaled
-    their gradients; otherwise it is applied before the next ``fabric.backward()`` scales a loss, unless an optimizer
-    that has not stepped since holds gradients of this scale (they wait for their step). The plugin's ``state_dict``
-    (what ``fabric.save`` stores) holds the state the run continues with, the owed update included, and changes
-    nothing.
-
-    A step or clipping before the scaler scaled any loss (``loss.backward()`` instead of ``fabric.backward(loss)``)
-    raises. With ``watch_misuse=True`` the parameters of every optimizer ``fabric.setup`` wraps are watched too
-    (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`): gradients a backward the scaler did not scale
-    accumulated next to scaled ones make the next step or clipping of their optimizer raise, and so does a ``step()``
-    of the raw optimizer on gradients still multiplied by the scale.
+    Fabric's loop belongs to the user: the ``scaler.update()`` a step owes follows once every optimizer
+    ``fabric.setup`` wrapped has stepped, or comes before the next ``fabric.backward()`` unless gradients wait for
+    their step (the recipe's table). ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues
+    with, the owed update included, and changes nothing. A step or clipping before any loss was scaled
+    (``loss.backward()`` instead of ``fabric.backward(loss)``) raises; ``watch_misuse=True`` watches for more
+    (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`).
 
     """
 
