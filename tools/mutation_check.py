@@ -416,8 +416,9 @@ MUTATIONS = (
         "trainer-unscale-gradients",
         "the Trainer's `unscale_gradients` unscales (once per update, whoever asks first)",
         PYTORCH_RECIPE,
-        "        if self.scaler is not None:\n            self._recipe.unscale(self._unwrap(optimizer))\n\n    @override\n    def optimizer_step_was_skipped",
-        "        pass\n\n    @override\n    def optimizer_step_was_skipped",
+        "            self._recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)\n\n"
+        "    @override\n    def optimizer_step_was_skipped",
+        "            pass\n\n    @override\n    def optimizer_step_was_skipped",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "unscale_gradients_unscales_once"),
     ),
     Mutation(

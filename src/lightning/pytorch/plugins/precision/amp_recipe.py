@@ -90,10 +90,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._finish_amp_recipe()
         super().teardown()
 
-    @staticmethod
-    def _unwrap(optimizer: Any) -> Optimizer:
-        return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
         with self.forward_context():
             return closure()
@@ -203,13 +199,17 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale ``optimizer``'s gradients once per update, whoever asks first (idempotent)."""
         if self.scaler is not None:
-            self._recipe.unscale(self._unwrap(optimizer))
+            self._recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     @override
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
-        return self._recipe.step_was_skipped(self._unwrap(optimizer), sync)
+        recipe = self._scaler_recipe  # asked after every step by a step-interval scheduler
+        if recipe is None or recipe.scaler is not self.scaler:
+            recipe = self._recipe
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return recipe.step_was_skipped(optimizer, sync)
 
     @override
     def state_dict(self) -> dict[str, Any]:
