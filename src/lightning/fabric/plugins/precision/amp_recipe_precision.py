@@ -65,6 +65,8 @@ class _ScalerRecipeHolder:
 
     @property
     def _recipe(self) -> GradScalerRecipe:
+        """The recipe of the current ``scaler`` (made again if the scaler was replaced). The per-step paths read
+        ``_scaler_recipe`` inline and come here only when it is not this scaler's: a property is a call per use."""
         recipe = self._scaler_recipe
         if recipe is None or recipe.scaler is not self.scaler:
             recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
