@@ -551,7 +551,7 @@ MUTATIONS = (
     Mutation(
         "checkpoint-mid-iteration",
         "a checkpoint saved mid-iteration holds the scale the iteration used and leaves the live run alone",
-        PYTORCH_RECIPE,
+        FABRIC_PLUGIN,
         "include_owed_update=not self._in_iteration",
         "include_owed_update=True",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and checkpoint"),

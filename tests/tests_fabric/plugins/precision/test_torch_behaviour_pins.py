@@ -108,14 +108,14 @@ def test_autocast_off_switches_only_autocast_and_restores_it_nested():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # is_autocast_cpu_enabled is deprecated from 2.4
         autocast_off = _AutocastOff("cpu")
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # torch < 2.2 autocasts a CPU to bfloat16 only
             with autocast_off:
                 assert not torch.is_autocast_cpu_enabled()
                 with autocast_off:
                     assert not torch.is_autocast_cpu_enabled()
                 assert not torch.is_autocast_cpu_enabled()
             assert torch.is_autocast_cpu_enabled()
-            assert torch.get_autocast_cpu_dtype() is torch.float16
+            assert torch.get_autocast_cpu_dtype() is torch.bfloat16
             with pytest.raises(ValueError), autocast_off:
                 raise ValueError
             assert torch.is_autocast_cpu_enabled()

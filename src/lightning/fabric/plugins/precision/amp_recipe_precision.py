@@ -72,12 +72,25 @@ class _ScalerRecipeHolder:
             recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
         return recipe
 
-    def _finish_amp_recipe(self) -> None:
-        """Training ends (the plugin's teardown): the owed update is applied, the watch goes, and this fit's optimizers
-        are forgotten (a second fit with this plugin has its own)."""
+    def teardown(self) -> None:
+        """Training ends: the owed update is applied, the watch goes, and this fit's optimizers are forgotten (a second
+        fit with this plugin has its own)."""
         self._in_iteration = False
         if self._scaler_recipe is not None:
             self._scaler_recipe.end_fit()
+        super().teardown()  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler is None:
+            return {}
+        # the state the run continues with, the owed update included (a save changes nothing); inside a Trainer's
+        # iteration (a checkpoint from `training_step` or a step hook) the scale its steps used: the Trainer runs that
+        # iteration again on resume
+        return self._recipe.state_dict(include_owed_update=not self._in_iteration)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            self._recipe.load_state_dict(state_dict)
 
     def training_iteration_start(self) -> None:
         """A loop opens a training iteration (the precision plugins' hook of both packages)."""
@@ -135,11 +148,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._recipe.watch_unscaled_backward([wrapper.optimizer])
 
     @override
-    def teardown(self) -> None:
-        self._finish_amp_recipe()
-        super().teardown()
-
-    @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, **kwargs)
@@ -166,14 +174,3 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return False
         return self._recipe.step_was_skipped(optimizer, sync)  # type: ignore[arg-type]
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        if self.scaler is None:
-            return {}
-        # what the run continues with: Fabric's loop may save anywhere, and the save changes nothing
-        return self._recipe.state_dict(include_owed_update=True)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self._recipe.load_state_dict(state_dict)

@@ -84,12 +84,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def _on_optimization_mode(self, manual: bool) -> None:
         """At ``connect``: whether the LightningModule optimizes manually, for a subclass that adapts to it."""
 
-    @override
-    def teardown(self) -> None:
-        if self.scaler is not None:
-            self._finish_amp_recipe()
-        super().teardown()
-
     def _in_forward_context(self, closure: Callable[[], Any]) -> Any:
         with self.forward_context():
             return closure()
@@ -210,17 +204,3 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             recipe = self._recipe
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return recipe.step_was_skipped(optimizer, sync)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        if self.scaler is None:
-            return {}
-        # mid-iteration (a checkpoint from `training_step` or a step hook) the iteration's own scale: the Trainer
-        # re-runs the iteration on resume; outside one, the scale the run continues with. Neither changes the run
-        return self._recipe.state_dict(include_owed_update=not self._in_iteration)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is None:
-            return
-        self._recipe.load_state_dict(state_dict)
