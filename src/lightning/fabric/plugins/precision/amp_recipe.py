@@ -557,7 +557,9 @@ def _nothing_scaled_error(optimizer: Any, api: _RunAPI) -> RuntimeError:
 
 def _stale_error(optimizer: Any, unscaled: bool) -> RuntimeError:
     if unscaled:
-        where, why = "clips or unscales", "they were unscaled before the loss scale was updated, and it steps only now"
+        where, why = "clips or unscales", (
+            "they were unscaled before the loss scale was updated, and the optimizer steps on them only now"
+        )
     else:
         where, why = "whose backward produced", (
             "they were multiplied by a loss scale that the scaler has updated since (at the end of an iteration), so no"
