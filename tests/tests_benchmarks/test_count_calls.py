@@ -3,7 +3,7 @@
 Counted, not timed, so the figures are exact and the test is not flaky: the calls per steady-state step of a 4x256 MLP
 under 16-mixed, the fork against stock Lightning 2.6.6 installed beside it. The bound is what the fork costs today
 (about 1.02 to 1.03, see the benchmarks' README), so a change that adds Python work to every step, such as a generator
-context around each autocast-off region (1.09), fails here; host reads must equal stock's.
+context around each autocast-off region (1.09), fails here. Host reads must not exceed stock's.
 """
 
 import importlib.util
