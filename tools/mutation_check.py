@@ -105,6 +105,14 @@ MUTATIONS = (
         "        self._turned_off.pop()\n",
         (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
     ),
+    Mutation(
+        "a-replaced-scaler-gets-its-recipe",
+        "a scaler replaced after the fit's setup (a callback's `on_train_start`) is the one the fit drives",
+        FABRIC_PLUGIN,
+        "            self._scaler_recipe = None  # the scaler was replaced",
+        "            pass  # the scaler was replaced",
+        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "replaced"),
+    ),
     # ---- the Trainer's plugin around the recipe --------------------------------------------------------------------
     Mutation(
         "clip-unscales-first",

@@ -6,27 +6,11 @@ under 16-mixed, the fork against stock Lightning 2.6.6 installed beside it. The 
 context around each autocast-off region (1.09), fails here. Host reads must not exceed stock's.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests_benchmarks.benchmark_modules import load_benchmark
 
-
-def _load_count_calls():
-    spec = importlib.util.spec_from_file_location("count_calls", ROOT / "benchmarks" / "count_calls.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
-count_calls = _load_count_calls()
+count_calls = load_benchmark("count_calls")
 
 
 @pytest.mark.parametrize(

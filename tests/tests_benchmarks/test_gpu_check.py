@@ -1,34 +1,21 @@
 """``make gpu-check`` where there is no GPU: the one-line skip, the report writer, the parts' isolation and,
 as a dry run on the CPU with tiny sizes, the whole pipeline that the GPU runs (every part, every row's code)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests_benchmarks.benchmark_modules import ROOT, load_benchmark
+
 DRIVER = ROOT / "benchmarks" / "gpu_check.py"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
-report = _load("gpu_check_report")
-driver = _load("gpu_check")
+report = load_benchmark("gpu_check_report")
+driver = load_benchmark("gpu_check")
 
 
 def _no_gpu_env() -> dict:

@@ -12,7 +12,7 @@ from tests_fabric.helpers.amp_world import new_scaler
 from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
 from torch import nn
 
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
 
 pytestmark = requires_cpu_16_mixed
@@ -111,6 +111,33 @@ def test_a_plugin_reused_by_a_second_trainer_sees_the_second_fits_skips():
     assert first_model.seen == [i == 2 for i in range(N)]
     assert model.seen == [i == 5 for i in range(N)]
     assert first.strategy.optimizers  # the first fit's optimizer is alive all along
+
+
+@pytest.mark.parametrize("when", ["between-fits", "on-train-start"])
+def test_a_replaced_scaler_is_the_one_the_next_fit_drives(when):
+    """``plugin.scaler = ...`` between two fits, or in a callback's ``on_train_start`` (after the fit's optimizers were
+    set up): the second fit scales, skips and updates with the new scaler, and the old one stays as the first fit left
+    it."""
+    api = lightning_api(FORK)
+    first = make_trainer(api, "16-mixed", scaler=new_scaler(growth_interval=1000))
+    plugin = first.precision_plugin
+    first.fit(SkipIdiom())
+    old_scaler, old_state = plugin.scaler, plugin.scaler.state_dict()
+
+    class ReplaceScaler(Callback):
+        def on_train_start(self, trainer, pl_module):
+            plugin.scaler = new_scaler(growth_interval=1000)
+
+    if when == "between-fits":
+        plugin.scaler = new_scaler(growth_interval=1000)
+    model = SkipIdiom(inf_at=(5,))
+    make_trainer(api, "16-mixed", plugin=plugin, callbacks=[ReplaceScaler()] if when == "on-train-start" else []).fit(
+        model
+    )
+    assert model.seen == [i == 5 for i in range(N)]
+    assert old_scaler.state_dict() == old_state
+    assert plugin.scaler is not old_scaler
+    assert plugin.scaler.get_scale() == old_state["scale"]  # both backed off once, from the same initial scale
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -65,8 +65,9 @@ class _ScalerRecipeHolder:
 
     @property
     def _recipe(self) -> GradScalerRecipe:
-        """The recipe of the current ``scaler`` (made again if the scaler was replaced). The per-step paths read
-        ``_scaler_recipe`` inline and come here only when it is not this scaler's: a property is a call per use."""
+        """The recipe of the current ``scaler``, made again if the scaler was replaced. The per-step paths read
+        ``self._scaler_recipe or self._recipe`` (a property is a call per use); a replaced scaler's recipe is dropped at
+        each training iteration's start and by Fabric's backward, and made again here at a fit's setup."""
         recipe = self._scaler_recipe
         if recipe is None or recipe.scaler is not self.scaler:
             recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
@@ -95,6 +96,8 @@ class _ScalerRecipeHolder:
     def training_iteration_start(self) -> None:
         """A loop opens a training iteration (the precision plugins' hook of both packages)."""
         self._in_iteration = True
+        if self._scaler_recipe is not None and self._scaler_recipe.scaler is not self.scaler:
+            self._scaler_recipe = None  # the scaler was replaced (a callback's `on_train_start`): its recipe comes next
 
     def training_iteration_end(self) -> None:
         """A loop closes a training iteration, also when it raised: the owed update is applied."""
@@ -153,9 +156,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             return super().optimizer_step(optimizer, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise self._lbfgs_error(_LBFGS_MESSAGE)
-        recipe = self._scaler_recipe
-        if recipe is None or recipe.scaler is not self.scaler:
-            recipe = self._recipe
+        recipe = self._scaler_recipe or self._recipe
         # the scaler skips the step if the gradients hold inf/NaN
         return recipe.step(optimizer, **kwargs)  # type: ignore[arg-type]
 
@@ -163,9 +164,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is None:
             return
-        recipe = self._scaler_recipe
-        if recipe is None or recipe.scaler is not self.scaler:
-            recipe = self._recipe
+        recipe = self._scaler_recipe or self._recipe
         recipe.unscale(optimizer)
 
     @override

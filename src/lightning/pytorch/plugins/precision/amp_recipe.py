@@ -92,9 +92,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         with self._outside_forward_context:
             if self.scaler is not None:
-                recipe = self._scaler_recipe
-                if recipe is None or recipe.scaler is not self.scaler:
-                    recipe = self._recipe
+                recipe = self._scaler_recipe or self._recipe
                 tensor = recipe.scale(tensor)
             return super().pre_backward(tensor, module)
 
@@ -159,9 +157,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         # a `training_step` that returned None in automatic optimization ran no backward: there is nothing to step on;
         # an `optimizer_step` override that ran the closure itself and calls `optimizer.step()` without it does step
         steps = not (automatic and loss is None and closure is not do_nothing_closure)
-        recipe = self._scaler_recipe
-        if recipe is None or recipe.scaler is not self.scaler:
-            recipe = self._recipe
+        recipe = self._scaler_recipe or self._recipe
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
@@ -183,9 +179,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         with self._outside_forward_context:
             if clip_val > 0 and self.scaler is not None:
                 # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
-                recipe = self._scaler_recipe
-                if recipe is None or recipe.scaler is not self.scaler:
-                    recipe = self._recipe
+                recipe = self._scaler_recipe or self._recipe
                 recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
             return super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
@@ -199,8 +193,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
         if self.scaler is None:
             return False
-        recipe = self._scaler_recipe  # asked after every step by a step-interval scheduler
-        if recipe is None or recipe.scaler is not self.scaler:
-            recipe = self._recipe
+        recipe = self._scaler_recipe or self._recipe  # asked after every step by a step-interval scheduler
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return recipe.step_was_skipped(optimizer, sync)
