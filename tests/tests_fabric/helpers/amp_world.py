@@ -159,3 +159,17 @@ def assert_params_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, t
     """Every parameter of ``actual`` (Lightning's run) equals ``expected`` (the recipe's) bit for bit."""
     differ = params_differ(actual, expected)
     assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
+
+
+class ThroughScaler:
+    """``opt`` whose ``step()`` goes through torch's ``scaler.step``: torch's side of a loop written once for both
+    sides (Lightning's optimizer wrappers step through the plugin's scaler)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, scaler: GradScaler) -> None:
+        self.opt, self.scaler = opt, scaler
+
+    def step(self) -> None:
+        self.scaler.step(self.opt)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)

@@ -176,6 +176,42 @@ def test_counts_skipped_steps_of_every_optimizer():
     assert logger.scale_log()[TRAINER_BATCHES - 1][1] == 2 * len(FORCED)
 
 
+class ManualAccumulation(Model):
+    """Manual optimization accumulating over two batches: one optimizer step every second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = make_batches()[batch_idx]
+        self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.forced))
+        if batch_idx % 2:
+            opt = self.optimizers()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_manual_accumulation_logs_once_per_optimizer_step():
+    """As automatic accumulation does: after each batch that stepped, the scale that batch's update left."""
+    net = mlp()
+    opt, scaler, scales, skipped = torch.optim.AdamW(net.parameters(), lr=1e-2), new_scaler(init_scale=LOW_INIT_SCALE), {}, 0
+    for i, (x, y) in enumerate(make_batches()):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = inject_inf(mlp_loss(net, x, y), i, FORCED)
+        scaler.scale(loss).backward()
+        if i % 2:
+            before = [p.detach().clone() for p in net.parameters()]
+            scaler.step(opt)
+            skipped += all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
+            opt.zero_grad()
+            scaler.update()
+            scales[i] = (scaler.get_scale(), float(skipped))
+    logger = CaptureLogger()
+    trainer(logger=logger, callbacks=[LossScaleMonitor(log_every_n_steps=1)]).fit(ManualAccumulation(), Positions())
+    assert logger.scale_log() == scales
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_raises_without_a_gradient_scaler(precision):
     with pytest.raises(MisconfigurationException, match=r"`LossScaleMonitor` needs a gradient scaler.*16-mixed"):

@@ -40,8 +40,8 @@ class LossScaleMonitor(Callback):
     or skipped steps that keep coming, point at a model or a learning rate that produces non-finite values.
 
     Logged every ``log_every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``; under gradient
-    accumulation once per step, not per micro-batch), after the batch's scaler update, with ``MixedPrecision`` and
-    ``FSDPPrecision`` alike:
+    accumulation, automatic or manual, once per step, not per micro-batch), after the batch's scaler update, with
+    ``MixedPrecision`` and ``FSDPPrecision`` alike:
 
     - ``loss_scale``: the scale the next iteration will use;
     - ``skipped_steps``: optimizer steps skipped since the start of training (kept across a resume from checkpoint).
@@ -77,6 +77,7 @@ class LossScaleMonitor(Callback):
         # (a `fit` before, `Tuner.lr_find`)
         self._skipped_before_run = 0
         self._plugin: Optional[_AMPRecipePrecision] = None
+        self._steps_before_batch = 0
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -96,21 +97,34 @@ class LossScaleMonitor(Callback):
             )
 
     @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        self._steps_before_batch = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate():
-            return  # under gradient accumulation, once per optimizer step: the scaler updates only then
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        # the loop's own counter of stepping batches, restored on resume, keeps the cadence of an uninterrupted run
-        if (epoch_loop._batches_that_stepped + 1) % every != 0:
+        if pl_module.automatic_optimization:
+            if epoch_loop._should_accumulate():
+                return  # under gradient accumulation, once per optimizer step: the scaler updates only then
+            # the loop's own counter of stepping batches, restored on resume, keeps the cadence of an uninterrupted run
+            due = (epoch_loop._batches_that_stepped + 1) % every == 0
+        else:
+            # manual optimization counts optimizer steps (`global_step`, restored on resume): a batch that stepped none
+            # (accumulating) logs nothing; one that crossed a multiple of `every` logs
+            steps = trainer.global_step
+            due = steps > self._steps_before_batch and steps // every > self._steps_before_batch // every
+        if not due:
             return
         stats = self._stats(trainer)
         for key, value in stats.items():
             self.history[key].append(value)
         for logger in trainer.loggers:
-            logger.log_metrics(stats, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            logger.log_metrics(stats, step=epoch_loop._batches_that_stepped)
 
     def _stats(self, trainer: "pl.Trainer") -> dict[str, float]:
         plugin = _scaling_plugin(trainer)

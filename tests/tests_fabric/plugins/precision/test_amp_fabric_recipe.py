@@ -231,7 +231,7 @@ def test_teardown_removes_the_watch():
 def test_the_default_path_puts_no_hook_on_the_parameters():
     """Without ``watch_misuse`` nothing watches the parameters: no hook on any of them after setup and training."""
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum")).train(range(3))
-    assert loop.precision_plugin._recipe.watched == 0
+    assert loop.precision_plugin._recipe.watch is None
     for p in loop.model.parameters():
         assert not p._post_accumulate_grad_hooks and not p._backward_hooks
 

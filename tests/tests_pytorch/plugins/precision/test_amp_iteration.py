@@ -113,19 +113,22 @@ def test_the_users_own_update_after_the_step_raises_as_in_stock():
 
 
 class ClipsEveryBatchStepsEveryOther(LightningModule):
-    """Gradient accumulation over two batches, but clipping on every batch: the first clip unscales gradients that no
-    step consumes, and the next backward would add scaled gradients to them."""
+    """Gradient accumulation over two batches, but clipping on every batch (by a value that never binds): the first
+    clip unscales gradients that no step consumes, and the next backward adds scaled gradients to them."""
 
-    def __init__(self, zero_before_next_backward: bool) -> None:
+    def __init__(self, clip: bool = True, zero_before_next_backward: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
+        torch.manual_seed(0)
         self.layer = nn.Linear(4, 4)
+        self.clip = clip
         self.zero_before_next_backward = zero_before_next_backward
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         self.manual_backward(self.layer(batch).float().pow(2).mean())
-        self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
+        if self.clip:
+            self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
         if batch_idx % 2 == 1:
             opt.step()
             opt.zero_grad()
@@ -136,15 +139,18 @@ class ClipsEveryBatchStepsEveryOther(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+        return torch.utils.data.DataLoader(torch.randn(8, 4, generator=torch.Generator().manual_seed(2)), batch_size=2)
 
 
-def test_unscaled_gradients_without_a_step_are_refused_before_the_next_backward():
-    model = ClipsEveryBatchStepsEveryOther(zero_before_next_backward=False)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"unscaled .* did not step before a later backward"):
-        _fit_quietly(model)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+def test_gradients_unscaled_without_a_step_are_carried_across_the_batch_end():
+    """Rule (c) with the carry: the batch's end updates (the clip recorded an inf check) and carries the unscaled
+    gradients into the new scale, so the next batch accumulates onto them in one scale. The clip never binds: the
+    weights are those of the run without it, bitwise (power-of-two scales), with one update per batch instead of per
+    step."""
+    clipped, plain = ClipsEveryBatchStepsEveryOther(clip=True), ClipsEveryBatchStepsEveryOther(clip=False)
+    trainers = [_fit_quietly(model) for model in (clipped, plain)]
+    assert all(torch.equal(a, b) for a, b in zip(clipped.parameters(), plain.parameters()))
+    assert [t.precision_plugin._recipe.updates for t in trainers] == [4, 2]
 
 
 def test_unscaled_gradients_cleared_before_the_next_backward_are_fine():
@@ -152,6 +158,27 @@ def test_unscaled_gradients_cleared_before_the_next_backward_are_fine():
     before = [p.detach().clone() for p in model.parameters()]
     _fit_quietly(model)
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+class ClipsBetweenTwoBackwards(TwoStepsPerBatch):
+    """Two backwards in one ``training_step`` and a clip between them, one step after both."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
+        self.manual_backward(self.layer(batch).float().mean())
+        opt.step()
+
+
+def test_a_backward_onto_gradients_unscaled_in_the_same_step_is_refused():
+    """Within one iteration nothing owes an update between the clip and the second backward: its scaled gradients would
+    meet the unscaled ones (torch's own loop steps on the mix silently). That backward raises, naming what to do."""
+    model = ClipsBetweenTwoBackwards()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"Step SGD before the next backward .* mix two scales"):
+        _fit_quietly(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
 class SkipsSomeBatches(LightningModule):
@@ -354,7 +381,8 @@ def test_the_scale_after_the_step_says_whether_it_was_skipped(automatic):
 
 class TwoSurgeryCyclesPerBatch(TinyModule):
     """Gradient surgery twice per batch: ``torch.autograd.grad`` of the scaled loss of each half, assigned to ``.grad``,
-    then ``clip_gradients`` and the step."""
+    then ``scaler.unscale_(opt)`` (PyTorch's recipe: the plugin cannot see a backward it did not run, so after a step in
+    the same ``training_step`` it takes the gradients for the ones that step used), ``clip_gradients`` and the step."""
 
     lr = 0.1
     data_seed = 5
@@ -371,14 +399,15 @@ class TwoSurgeryCyclesPerBatch(TinyModule):
             grads = torch.autograd.grad(scaler.scale(self.layer(half).float().pow(2).mean()), params)
             for p, g in zip(params, grads):
                 p.grad = g
+            scaler.unscale_(opt)
             self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
             opt.step()
             opt.zero_grad()
 
 
 def test_a_second_step_cycle_in_a_batch_clips_unscaled_gradients():
-    """The second cycle's clipping unscales the gradients assigned after the first step, as the recipe does (torch's
-    scaler needs an update between two steps of one optimizer: the recipe updates after each)."""
+    """The second cycle's gradients, assigned after the first step and unscaled by the user, are clipped as the recipe
+    clips them (torch's scaler needs an update between two steps of one optimizer: the recipe updates after each)."""
     torch.manual_seed(0)
     model = TwoSurgeryCyclesPerBatch()
     reference = TwoSurgeryCyclesPerBatch()

@@ -168,7 +168,11 @@ class _HostReads:
 
 
 class AutomaticFusedWithStepScheduler:
-    """Automatic optimization, ``AdamW(fused=True)`` and an ``interval="step"`` scheduler."""
+    """Automatic optimization, ``AdamW(fused=True)`` and an ``interval="step"`` scheduler: holding the scheduler on a
+    skipped step reads the fused kernel's inf check, one read per step (documented; torch's own idiom,
+    ``scaler.get_scale()`` before and after the step, reads two)."""
+
+    reads_per_step = 1
 
     def __init__(self, reads: _HostReads) -> None:
         super().__init__()
@@ -193,6 +197,8 @@ class AutomaticFusedWithStepScheduler:
 
 class TwoNetworksEachClippedAfterItsBackward:
     """Manual optimization: two networks, each clipped right after its own backward, then both step."""
+
+    reads_per_step = 0
 
     def __init__(self, reads: _HostReads) -> None:
         super().__init__()
@@ -220,7 +226,7 @@ class TwoNetworksEachClippedAfterItsBackward:
 
 
 @pytest.mark.parametrize("module", [AutomaticFusedWithStepScheduler, TwoNetworksEachClippedAfterItsBackward])
-def test_host_reads_per_step_are_stocks(module, monkeypatch):
+def test_host_reads_per_step_are_stocks_but_the_documented_ones(module, monkeypatch):
     from tests_fabric.helpers.torch_features import requires_cpu_fused
 
     if module is AutomaticFusedWithStepScheduler and requires_cpu_fused("AdamW").args[0]:
@@ -233,7 +239,7 @@ def test_host_reads_per_step_are_stocks(module, monkeypatch):
         make_trainer(api, "16-mixed", scaler=new_scaler(growth_interval=1000)).fit(model)
         counts[package] = reads.count
         monkeypatch.undo()
-    assert counts[FORK] <= counts[STOCK], counts
+    assert counts[FORK] <= counts[STOCK] + module.reads_per_step * (N - 4), counts
 
 
 class CriticLoop(LightningModule):

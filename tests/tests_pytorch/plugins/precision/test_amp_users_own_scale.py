@@ -159,7 +159,7 @@ def test_the_default_path_registers_no_hook(monkeypatch):
     model = ClipsAndSteps()
     trainer = _fit(model)
     assert registered == []
-    assert trainer.precision_plugin._recipe.watched == 0
+    assert trainer.precision_plugin._recipe.watch is None
 
 
 class PlainAfterManual(HandWrittenRecipe):

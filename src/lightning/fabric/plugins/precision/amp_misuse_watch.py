@@ -41,11 +41,71 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning.fabric.plugins.precision.amp_recipe import _RunAPI
+from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe, _RunAPI
+from lightning.fabric.plugins.precision.amp_torch_scaler import OptState
 
 #: how many scaler updates the watch stays on once armed (each fit, each `fabric.setup`): a loop's misuse shows in its
 #: first iterations, and afterwards the watch costs nothing per step
 WATCHED_UPDATES = 8
+
+
+class _WatchedRecipe(GradScalerRecipe):
+    """The recipe with the misuse watch around it: each unscale and step first refuses gradients a backward without
+    the scale accumulated, and the recipe's own steps are not raw ones. The plugins make it for ``watch_misuse=True``.
+
+    Example::
+
+        recipe = _WatchedRecipe(torch.amp.GradScaler("cpu"), _FABRIC_API)
+        recipe.watch_unscaled_backward([optimizer])  # hooks for the next WATCHED_UPDATES updates
+
+    """
+
+    def watch_unscaled_backward(self, optimizers: Any) -> None:
+        """Switch the watch on for ``optimizers`` for the next :data:`WATCHED_UPDATES` scaler updates. Costs one Python
+        call per parameter per backward while on."""
+        if not self.scaler.is_enabled():
+            return
+        if self.watch is None:
+            self.watch = _UnscaledBackwardWatch(lambda o: self._torch.stage(o)[0] is OptState.READY, self._api)
+        self.watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
+
+    @property
+    def watched(self) -> int:
+        """How many optimizers and parameters the watch holds a hook on (0 when it is off)."""
+        return 0 if self.watch is None else self.watch.watching
+
+    def unwatch(self) -> None:
+        if self.watch is not None:
+            self.watch.unwatch()
+            self.watch = None
+
+    def unscale(self, optimizer: Optimizer, before_step: bool = False) -> None:
+        if self.watch is not None:
+            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
+        super().unscale(optimizer, before_step)
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        if self.watch is not None:
+            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
+        return super().step(optimizer, **kwargs)
+
+    def _own_step(self, optimizer: Any, kwargs: dict) -> Any:
+        if self.watch is None:
+            return super()._own_step(optimizer, kwargs)
+        with self.watch.recipe_step(optimizer):
+            return super()._own_step(optimizer, kwargs)
+
+    def settle(self) -> None:
+        super().settle()
+        if self.watch is not None and self._updates >= self.watch.ends_at_update and not self.watch.accumulations:
+            self.unwatch()
+
+    def end_fit(self) -> None:
+        super().end_fit()
+        self.unwatch()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "watch": None}
 
 
 class _UnscaledBackwardWatch:

@@ -70,7 +70,13 @@ class _ScalerRecipeHolder:
         each training iteration's start and by Fabric's backward, and made again here at a fit's setup."""
         recipe = self._scaler_recipe
         if recipe is None or recipe.scaler is not self.scaler:
-            recipe = self._scaler_recipe = GradScalerRecipe(self.scaler, self._run_api)
+            if self.watch_misuse:  # the opt-in watch wraps the recipe
+                from lightning.fabric.plugins.precision.amp_misuse_watch import _WatchedRecipe
+
+                recipe = _WatchedRecipe(self.scaler, self._run_api)
+            else:
+                recipe = GradScalerRecipe(self.scaler, self._run_api)
+            self._scaler_recipe = recipe
         return recipe
 
     def teardown(self) -> None:
@@ -96,8 +102,14 @@ class _ScalerRecipeHolder:
     def training_iteration_start(self) -> None:
         """A loop opens a training iteration (the precision plugins' hook of both packages)."""
         self._in_iteration = True
-        if self._scaler_recipe is not None and self._scaler_recipe.scaler is not self.scaler:
-            self._scaler_recipe = None  # the scaler was replaced (a callback's `on_train_start`): its recipe comes next
+        recipe = self._scaler_recipe
+        if recipe is not None:
+            if recipe.scaler is not self.scaler:  # replaced (a callback's `on_train_start`): its recipe comes next
+                self._scaler_recipe = None
+            else:
+                # a backward the recipe cannot see (the user's own `scaler.scale(loss)`) may run in this iteration: a
+                # clip or a step in it is no longer "right after the last step"
+                recipe.backwards += 1
 
     def training_iteration_end(self) -> None:
         """A loop closes a training iteration, also when it raised: the owed update is applied."""
@@ -168,8 +180,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         recipe.unscale(optimizer)
 
     @override
-    def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
+    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
         if self.scaler is None:
             return False
-        return self._recipe.step_was_skipped(optimizer, sync)  # type: ignore[arg-type]
-
+        return self._recipe.step_was_skipped(optimizer)  # type: ignore[arg-type]

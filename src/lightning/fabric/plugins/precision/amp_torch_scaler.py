@@ -84,6 +84,10 @@ class _TorchScaler:
             found_inf += other.to(found_inf.device)
         return found_inf.reshape(())
 
+    def scale(self) -> Tensor:
+        """The scale as the scaler holds it, on its device (``update()`` writes it in place)."""
+        return self.scaler._scale
+
     def has_scaled(self) -> bool:
         """Whether the scaler scaled a loss yet (before, it has no scale to unscale with)."""
         return self.scaler._scale is not None

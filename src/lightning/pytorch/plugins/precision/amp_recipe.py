@@ -161,7 +161,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         if steps:
             # true gradients for `on_before_optimizer_step` and clipping; fused optimizers too, since torch 2.1 then
             # steps them with `grad_scale=None`. Only optimizers that unscale inside `step()` themselves stay scaled.
-            recipe.unscale(optimizer, required=False)
+            recipe.unscale(optimizer, before_step=True)
         self._after_closure(model, optimizer)
         if not steps:
             recipe.forget_last_step(optimizer)
@@ -190,9 +190,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
             self._recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     @override
-    def optimizer_step_was_skipped(self, optimizer: Optimizable, sync: bool = True) -> bool:
+    def optimizer_step_was_skipped(self, optimizer: Optimizable) -> bool:
         if self.scaler is None:
             return False
         recipe = self._scaler_recipe or self._recipe  # asked after every step by a step-interval scheduler
         optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return recipe.step_was_skipped(optimizer, sync)
+        return recipe.step_was_skipped(optimizer)
