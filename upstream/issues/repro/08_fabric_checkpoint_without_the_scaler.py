@@ -1,8 +1,8 @@
-"""RFC 04: ``fabric.save``/``fabric.load`` of model and optimizer lose the gradient scaler's state under 16-mixed.
+"""``fabric.save``/``fabric.load`` of the checkpoint guide's state (model and optimizer) lose the gradient scaler's
+state under ``precision="16-mixed"``; putting the scaler into the state, which no page says, keeps it.
 
-Run: ``python 04_fabric_save_carries_the_scaler.py`` (lightning 2.6.6, torch >= 2.3, CPU; a few seconds). After three
-overflowing steps the live scale is 8192; a fresh Fabric that loads the checkpoint of the checkpointing guide starts
-again at 65536. Putting the scaler into the state yourself (the documentation-only alternative) already works.
+Run: ``python 08_fabric_checkpoint_without_the_scaler.py`` (lightning >= 2.1, torch >= 2.4, CPU; seconds). After three
+overflowing steps the live scale is 8192; a fresh Fabric that loads the guide's checkpoint starts again at 65536.
 """
 
 import os
