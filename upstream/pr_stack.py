@@ -12,7 +12,9 @@ applies there alone), and holds:
                     (the upstream test files the change could affect), ``merge_order`` (1, 2, ...: the order in which
                     the PRs are meant to merge; NN only orders the listing)
 ``changes.patch``   ``git diff --binary`` of the whole PR against the base commit (source, tests, docs, CHANGELOGs)
-``description.md``  the PR text a maintainer reads
+``description.md``  the PR text a maintainer reads: upstream's PR template, at most 300 words
+``issue`` (optional) in ``pr.toml``: the file of ``upstream/issues/`` that drafts the upstream issue the PR links
+                    (``--check``, which CI runs on this repository's stack, requires it of every PR)
 
 Each PR is checked twice against the clone: **alone** (the patch applies to the base; the branch ``<branch>`` is made
 from it: one commit on the base, made in a temporary index, subject = title, body = the description's first paragraph
@@ -56,6 +58,9 @@ STACK = HERE / "stack"
 OUT = REPO / "build" / "pr-stack"
 LIMITS = {"src": 400, "tests": 600, "docs": 300}
 KEYS = {"branch": str, "title": str, "closes": list, "touches_tests": list, "merge_order": int}
+OPTIONAL_KEYS = {"issue": str}
+#: the most words a description may have (upstream's PR template included; HTML comments not counted)
+WORDS_MAX = 300
 IN_ORDER_BRANCH = "amp/stack-in-order"
 # conflicts in these files are resolved by keeping both sides (each PR adds its own entry)
 UNION_FILES = ("CHANGELOG.md",)
@@ -84,6 +89,7 @@ class PR:
     closes: list[str]
     touches_tests: list[str]
     merge_order: int = 0
+    issue: str = ""
 
     @property
     def name(self) -> str:
@@ -166,7 +172,10 @@ def read_pr(folder: Path) -> PR:
         raise StackError(f"{folder.name}/pr.toml: not valid TOML ({err})") from err
     problems = [f"key {key!r} missing or not a {kind.__name__}" for key, kind in KEYS.items()
                 if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool)]
-    problems += [f"unknown key {key!r} (the keys are {', '.join(KEYS)})" for key in meta if key not in KEYS]
+    problems += [f"unknown key {key!r} (the keys are {', '.join([*KEYS, *OPTIONAL_KEYS])})" for key in meta
+                 if key not in KEYS and key not in OPTIONAL_KEYS]
+    problems += [f"key {key!r} is not a {kind.__name__}" for key, kind in OPTIONAL_KEYS.items()
+                 if key in meta and not isinstance(meta[key], kind)]
     if problems:
         raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
     slug = match.group(2)
@@ -179,17 +188,32 @@ def read_pr(folder: Path) -> PR:
     for test in meta["touches_tests"]:
         if not (isinstance(test, str) and re.match(r"^tests/tests_(pytorch|fabric)/.+\.py$", test)):
             problems.append(f"touches_tests: {test!r} is not an upstream test file (tests/tests_pytorch/....py)")
+    issue = meta.get("issue", "")
+    if issue and not (issues_folder(folder) / issue).is_file():
+        problems.append(f"issue = {issue!r}: no such file in {issues_folder(folder)}")
     if problems:
         raise StackError(f"{folder.name}/pr.toml: " + "; ".join(problems))
     return PR(folder, meta["branch"], meta["title"], list(meta["closes"]), list(meta["touches_tests"]),
-              meta["merge_order"])
+              meta["merge_order"], issue)
+
+
+def issues_folder(folder: Path) -> Path:
+    """Where the issue drafts of a stack folder's PR live: ``issues/`` beside the stack."""
+    return folder.parent.parent / "issues"
+
+
+def words(markdown: str) -> int:
+    """The words of a description, HTML comments left out."""
+    return len(re.sub(r"<!--.*?-->", " ", markdown, flags=re.S).split())
 
 
 def check_pr(pr: PR) -> dict[str, int]:
     """The folder's description, patch and limits; returns the changed lines per limit."""
     problems = []
     description = pr.description.read_text(encoding="utf-8")
-    problems += [f"description.md names {words}" for words in own_words(description)]
+    problems += [f"description.md names {found}" for found in own_words(description)]
+    if words(description) > WORDS_MAX:
+        problems.append(f"description.md has {words(description)} words, over the limit of {WORDS_MAX}")
     if not first_paragraph(description):
         problems.append("description.md has no paragraph of text (the commit body)")
     if pr.merge_order > 1 and not re.search(r"\bmerge order\b", description, re.I):
@@ -201,7 +225,7 @@ def check_pr(pr: PR) -> dict[str, int]:
         problems.append("changes.patch is not a `git diff` with a/ b/ prefixes")
     for path, lines in added_lines(patch_text).items():
         text = "\n".join(lines)
-        problems += [f"changes.patch: {path} adds {words}" for words in own_words(text)]
+        problems += [f"changes.patch: {path} adds {found}" for found in own_words(text)]
         for suite, other in (("tests/tests_pytorch/", "tests_fabric"), ("tests/tests_fabric/", "tests_pytorch")):
             if path.startswith(suite) and re.search(rf"^\s*(from|import)\s+{other}\b", text, re.M):
                 problems.append(f"changes.patch: {path} imports {other} (no imports across test suites)")
@@ -399,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check:
             for pr in sorted(read_stack(args.stack), key=lambda pr: pr.name):
+                if not pr.issue:
+                    raise StackError(f"{pr.name}/pr.toml: no `issue` (the draft in upstream/issues/ the PR links)")
                 sizes = check_pr(pr)
                 print(f"{pr.name}: {pr.branch}, merge order {pr.merge_order}, src {sizes['src']},"
                       f" tests {sizes['tests']}, docs {sizes['docs']}")

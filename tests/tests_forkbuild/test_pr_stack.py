@@ -262,6 +262,39 @@ def test_a_limit_fails_naming_the_pr_and_the_limit(upstream, tmp_path, top, path
     assert not (tmp_path / "out" / "stack.json").exists()
 
 
+def test_a_description_over_300_words_fails(upstream, tmp_path):
+    stack = tmp_path / "stack"
+    long = DESCRIPTION.format(what="works", closes="#101") + "word " * 300
+    add_pr(stack, "01-wordy", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}), description=long)
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert f"01-wordy: description.md has {pr_stack.words(long)} words, over the limit of 300" in done.stderr
+    assert pr_stack.words("one <!-- a comment\nof many words --> two") == 2
+
+
+def test_the_issue_draft_a_pr_names_must_exist(upstream, tmp_path):
+    stack = tmp_path / "ours" / "stack"
+    pr = add_pr(stack, "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
+    with (pr / "pr.toml").open("a") as toml:
+        toml.write('issue = "01-widget.md"\n')
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 1
+    assert "01-widget/pr.toml: issue = '01-widget.md': no such file in" in done.stderr
+
+    (tmp_path / "ours" / "issues").mkdir()
+    (tmp_path / "ours" / "issues" / "01-widget.md").write_text("# The widget returns one\n")
+    done = run_stack(upstream, stack, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+
+
+def test_check_requires_every_pr_to_name_its_issue_draft(upstream, tmp_path):
+    add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--stack", str(tmp_path / "stack")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "01-widget/pr.toml: no `issue`" in done.stderr
+
+
 def test_exactly_at_the_limit_passes(upstream, tmp_path):
     add_pr(tmp_path / "stack", "01-at-the-limit", diff_of(upstream, {"src/pkg/big.py": "x = 1\n" * 400}))
     done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
