@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning.fabric.plugins.precision.amp_torch_scaler import _AutocastOff
+from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_off
 from tests_fabric.helpers.amp_world import INIT_SCALE, new_scaler
 from tests_fabric.helpers.torch_features import (
     AUTOCAST_CACHE_IS_SAFE,
@@ -83,8 +83,8 @@ def test_is_autocast_enabled_takes_a_device_from_torch_2_4():
     """``torch.is_autocast_enabled(device_type)`` exists exactly where ``torch.get_autocast_dtype`` does (torch 2.4);
     before, ``torch.is_autocast_enabled()`` answers for CUDA only and ``torch.is_autocast_cpu_enabled()`` for CPU.
 
-    The fork's ``_AutocastOff(device_type)`` takes ``hasattr(torch, "get_autocast_dtype")`` as the sign of the new API,
-    and falls back to the per-device functions.
+    The tests' ``torch_features.autocast_enabled(device_type)`` takes ``hasattr(torch, "get_autocast_dtype")`` as the
+    sign of the new API, and falls back to the per-device functions.
     """
     assert (TORCH >= (2, 4)) == AUTOCAST_ENABLED_TAKES_DEVICE
     with warnings.catch_warnings():
@@ -102,38 +102,32 @@ def test_is_autocast_enabled_takes_a_device_from_torch_2_4():
 
 
 
-def test_autocast_off_switches_only_autocast_and_restores_it_nested():
-    """``_AutocastOff`` is ``torch.autocast(device_type, enabled=False)`` on every torch: off inside (nested too), back
-    on after, the dtype untouched; where autocast is off it stays off; an exception restores it."""
+def test_autocast_off_is_torchs_guard_nested_and_undone_by_an_inner_autocast():
+    """``_autocast_off`` (``torch._C._DisableAutocast``, the guard torch's AOT autograd runs a backward under) exists on
+    every torch the fork supports: off inside for the device, nested too, back on after (an exception included), the
+    dtype untouched; a ``torch.autocast`` inside turns it back on until it exits (a closure's forward); where autocast
+    is off it stays off. The fork's manual optimization leaves autocast through it around backward, clipping and the
+    step (promise 1)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # is_autocast_cpu_enabled is deprecated from 2.4
-        autocast_off = _AutocastOff("cpu")
         with torch.autocast("cpu", dtype=torch.bfloat16):  # torch < 2.2 autocasts a CPU to bfloat16 only
-            with autocast_off:
+            with _autocast_off():
                 assert not torch.is_autocast_cpu_enabled()
-                with autocast_off:
+                assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
+                with _autocast_off():
                     assert not torch.is_autocast_cpu_enabled()
+                assert not torch.is_autocast_cpu_enabled()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
                 assert not torch.is_autocast_cpu_enabled()
             assert torch.is_autocast_cpu_enabled()
             assert torch.get_autocast_cpu_dtype() is torch.bfloat16
-            with pytest.raises(ValueError), autocast_off:
+            with pytest.raises(ValueError), _autocast_off():
                 raise ValueError
             assert torch.is_autocast_cpu_enabled()
-        with autocast_off:
+        with _autocast_off():
             assert not torch.is_autocast_cpu_enabled()
         assert not torch.is_autocast_cpu_enabled()
-        assert autocast_off._turned_off == []
-
-def test_cpu_fused_optimizers():
-    """Fused Adam/AdamW/SGD/Adagrad run on CPU in torch 2.13+, not in torch 2.1 (Adam/AdamW there need CUDA, SGD and
-    Adagrad take no ``fused`` argument).
-
-    The fork's fused-optimizer tests (promise 6) run on CPU where these exist and skip elsewhere.
-    """
-    if TORCH < (2, 2):
-        assert not CPU_FUSED
-    if TORCH >= (2, 13):
-        assert {"Adam", "AdamW", "SGD", "Adagrad"} == CPU_FUSED
 
 
 def test_autocast_weight_cache_was_stale_under_no_grad_before_torch_2_11():

@@ -32,16 +32,16 @@ Example::
 import functools
 import threading
 import weakref
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe, _RunAPI
+from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe
 from lightning.fabric.plugins.precision.amp_torch_scaler import OptState
 
 #: how many scaler updates the watch stays on once armed (each fit, each `fabric.setup`): a loop's misuse shows in its
@@ -50,78 +50,24 @@ WATCHED_UPDATES = 8
 
 
 class _WatchedRecipe(GradScalerRecipe):
-    """The recipe with the misuse watch around it: each unscale and step first refuses gradients a backward without
-    the scale accumulated, and the recipe's own steps are not raw ones. The plugins make it for ``watch_misuse=True``.
+    """The recipe with the misuse watch around it, which the plugins make for ``watch_misuse=True``: a parameter
+    accumulated outside :meth:`scaled_backward` (``loss.backward()``) is recorded, and its optimizer's next unscale or
+    step, and the next scaled backward, refuse while its gradients are live; a ``step()`` of the raw optimizer on
+    gradients still multiplied by the scale refuses too. Gradients assigned to ``.grad`` are not accumulations. The
+    hooks stay for :data:`WATCHED_UPDATES` updates after :meth:`watch_unscaled_backward`, held weakly with what they
+    watch. :attr:`watch` is this object while armed, ``None`` otherwise.
 
     Example::
 
         recipe = _WatchedRecipe(torch.amp.GradScaler("cpu"), _FABRIC_API)
-        recipe.watch_unscaled_backward([optimizer])  # hooks for the next WATCHED_UPDATES updates
+        recipe.watch_unscaled_backward([optimizer])
+        with recipe.watch.scaled_backward():
+            recipe.scale(loss).backward()
 
     """
 
-    def watch_unscaled_backward(self, optimizers: Any) -> None:
-        """Switch the watch on for ``optimizers`` for the next :data:`WATCHED_UPDATES` scaler updates. Costs one Python
-        call per parameter per backward while on."""
-        if not self.scaler.is_enabled():
-            return
-        if self.watch is None:
-            self.watch = _UnscaledBackwardWatch(lambda o: self._torch.stage(o)[0] is OptState.READY, self._api)
-        self.watch.watch(optimizers, ends_at_update=self._updates + WATCHED_UPDATES)
-
-    @property
-    def watched(self) -> int:
-        """How many optimizers and parameters the watch holds a hook on (0 when it is off)."""
-        return 0 if self.watch is None else self.watch.watching
-
-    def unwatch(self) -> None:
-        if self.watch is not None:
-            self.watch.unwatch()
-            self.watch = None
-
-    def unscale(self, optimizer: Optimizer, before_step: bool = False) -> None:
-        if self.watch is not None:
-            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
-        super().unscale(optimizer, before_step)
-
-    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if self.watch is not None:
-            self.watch.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
-        return super().step(optimizer, **kwargs)
-
-    def _own_step(self, optimizer: Any, kwargs: dict) -> Any:
-        if self.watch is None:
-            return super()._own_step(optimizer, kwargs)
-        with self.watch.recipe_step(optimizer):
-            return super()._own_step(optimizer, kwargs)
-
-    def settle(self) -> None:
-        super().settle()
-        if self.watch is not None and self._updates >= self.watch.ends_at_update and not self.watch.accumulations:
-            self.unwatch()
-
-    def end_fit(self) -> None:
-        super().end_fit()
-        self.unwatch()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "watch": None}
-
-
-class _UnscaledBackwardWatch:
-    """The misuse watch: gradients that a backward *without* the loss scale accumulated (``loss.backward()`` instead of
-    the plugin's backward), and ``step()`` of a raw optimizer on gradients still multiplied by the scale.
-
-    A parameter accumulated outside :meth:`scaled_backward` is recorded; its optimizer's next unscale or step, and the
-    next scaled backward, refuse while its gradients are live. Gradients assigned to ``.grad`` and
-    ``torch.autograd.grad`` are not accumulations. The hooks stay for the first :data:`WATCHED_UPDATES` updates after
-    :meth:`watch`, and are held weakly with what they watch.
-    """
-
-    def __init__(self, is_ready: Callable[[Any], bool], api: _RunAPI) -> None:
-        # whether an optimizer's gradients are still multiplied by the scale, as far as the recipe knows
-        self._is_ready = is_ready
-        self._api = api
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.accumulations: dict[int, Tensor] = {}
         # this run's scaled backwards in flight (another run's hide nothing): while one is, every accumulation of the
@@ -133,22 +79,22 @@ class _UnscaledBackwardWatch:
         self._recipe_steps: set[int] = set()
         self.ends_at_update = 0
 
-    def watch(self, optimizers: Iterable[Any], ends_at_update: int) -> None:
-        self.ends_at_update = ends_at_update
-        this = weakref.ref(self)
+    def watch_unscaled_backward(self, optimizers: Any) -> None:
+        """Arm the watch on ``optimizers`` for the next :data:`WATCHED_UPDATES` scaler updates. Costs one Python call
+        per parameter per backward while on."""
+        if not self.scaler.is_enabled():
+            return
+        self.watch, self.ends_at_update, this = self, self.updates + WATCHED_UPDATES, weakref.ref(self)
         for optimizer in optimizers:
             if optimizer not in self._watched:
                 self._watched[optimizer] = optimizer.register_step_pre_hook(functools.partial(_raw_step_pre_hook, this))
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p in self._watched or not p.requires_grad:
-                        continue
-                    self._watched[p] = p.register_post_accumulate_grad_hook(
-                        functools.partial(_accumulate_grad_hook, this)
-                    )
+            for p in (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad):
+                if p not in self._watched:
+                    self._watched[p] = p.register_post_accumulate_grad_hook(functools.partial(_accumulated, this))
 
     @property
-    def watching(self) -> int:
+    def watched(self) -> int:
+        """How many optimizers and parameters the watch holds a hook on (0 when it is off)."""
         return len(self._watched)
 
     def unwatch(self) -> None:
@@ -156,6 +102,7 @@ class _UnscaledBackwardWatch:
             handle.remove()
         self._watched.clear()
         self.accumulations.clear()
+        self.watch = None
 
     @contextmanager
     def scaled_backward(self) -> Generator[None, None, None]:
@@ -177,12 +124,11 @@ class _UnscaledBackwardWatch:
         params = None if optimizer is None else {id(p) for group in optimizer.param_groups for p in group["params"]}
         live = []
         for key, p in list(self.accumulations.items()):
-            if params is not None and key not in params:
-                continue
-            if _is_live(p.grad):
-                live.append(p)
-            else:  # cleared since: nothing unscaled remains
-                del self.accumulations[key]
+            if params is None or key in params:
+                if _holds_live_gradients([p.grad]):
+                    live.append(p)
+                else:  # cleared since: nothing unscaled remains
+                    del self.accumulations[key]
         if live:
             raise RuntimeError(
                 f"Call `{self._api.backward}` instead of `loss.backward()` (or `torch.autograd.backward`) for every"
@@ -191,19 +137,41 @@ class _UnscaledBackwardWatch:
                 f" {where}; the step would divide them by the scale. Nothing was changed."
             )
 
-    @contextmanager
-    def recipe_step(self, optimizer: Any) -> Generator[None, None, None]:
-        """The recipe's own step of ``optimizer`` through the scaler: not a raw step."""
-        self._recipe_steps.add(id(optimizer))
+    def unscale(self, optimizer: Optimizer, before_step: bool = False) -> None:
+        self.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
+        super().unscale(optimizer, before_step)
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        self.refuse(f"`{type(optimizer).__name__}`'s unscale or step", optimizer)
+        return super().step(optimizer, **kwargs)
+
+    def _own_step(self, optimizer: Any, kwargs: dict) -> Any:
+        self._recipe_steps.add(id(optimizer))  # the recipe's own step: not a raw one
         try:
-            yield
+            return super()._own_step(optimizer, kwargs)
         finally:
             self._recipe_steps.discard(id(optimizer))
+
+    def _update(self) -> None:
+        super()._update()
+        if self.watch is not None and self.updates >= self.ends_at_update and not self.accumulations:
+            self.unwatch()
+
+    def end_fit(self) -> None:
+        super().end_fit()
+        self.unwatch()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "watch": None, "_watched": None, "_lock": None, "accumulations": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _watched=WeakIdKeyDictionary(), _lock=threading.Lock())
 
     def _check_raw_step(self, optimizer: Any) -> None:
         if id(optimizer) in self._recipe_steps or hasattr(optimizer, "found_inf"):
             return  # our step, or inside the user's own `scaler.step` of a fused optimizer
-        if self._is_ready(optimizer) and _holds_live_gradients(optimizer):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        if self._torch.stage(optimizer)[0] is OptState.READY and _holds_live_gradients(grads):
             raise RuntimeError(
                 f"Step the optimizer {self._api.optimizer} returns (or drive the scaler yourself:"
                 f" `scaler.unscale_(opt)` or `scaler.step(opt)`): `{type(optimizer).__name__}.step()` was called on the"
@@ -212,26 +180,20 @@ class _UnscaledBackwardWatch:
             )
 
 
-def _is_live(grad: Optional[Tensor]) -> bool:
-    """Whether ``grad`` holds anything: ``zero_grad(set_to_none=False)`` leaves zeros, which are not live."""
-    return grad is not None and bool(grad.ne(0).any())
+def _holds_live_gradients(grads: list) -> bool:
+    """Whether any of ``grads`` holds a non-zero (``zero_grad(set_to_none=False)`` leaves zeros, which are not live),
+    read in one device synchronisation: the watch is opt-in, as ``detect_anomaly`` is."""
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads if g is not None]
+    return bool(grads) and bool(torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any())
 
 
-def _holds_live_gradients(optimizer: Any) -> bool:
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return False
-    # one device synchronisation for all of them; the watch is opt-in, as `detect_anomaly` is
-    return bool(torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any())
-
-
-def _accumulate_grad_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", param: Tensor) -> None:
+def _accumulated(watch_ref: "weakref.ref[_WatchedRecipe]", param: Tensor) -> None:
     watch = watch_ref()
     if watch is not None and not watch._in_flight:
         watch.accumulations[id(param)] = param
 
 
-def _raw_step_pre_hook(watch_ref: "weakref.ref[_UnscaledBackwardWatch]", optimizer: Optimizer, *_: Any) -> None:
+def _raw_step_pre_hook(watch_ref: "weakref.ref[_WatchedRecipe]", optimizer: Optimizer, *_: Any) -> None:
     watch = watch_ref()
     if watch is not None:
         watch._check_raw_step(optimizer)

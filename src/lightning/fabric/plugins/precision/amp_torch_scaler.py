@@ -36,8 +36,6 @@ __all__ = ["OptState"]
 
 # `GradScaler("cpu")` scales on the CPU from torch 2.3; before, a scaler is CUDA's and disables itself on a CPU run.
 _CPU_GRAD_SCALER_AVAILABLE = hasattr(torch.amp, "GradScaler")
-# torch >= 2.4: `torch.is_autocast_enabled(device_type)` and `set_autocast_enabled(device_type, ...)` for every device
-_AUTOCAST_TAKES_A_DEVICE = hasattr(torch, "get_autocast_dtype")
 
 
 class _TorchScaler:
@@ -113,36 +111,11 @@ class _TorchScaler:
         state["scale"], state["_growth_tracker"] = scale.item(), int(growth_tracker.item())
 
 
-class _AutocastOff:
-    """``torch.autocast(device_type, enabled=False)`` in two Python calls per use (torch's context costs about fifteen,
-    and a manual optimization step leaves autocast five times). Reentrant; where autocast is off it changes nothing.
-
-    Example::
-
-        with torch.autocast("cpu", dtype=torch.bfloat16), _AutocastOff("cpu"):
-            assert not torch.is_autocast_cpu_enabled()
-
-    """
-
-    def __init__(self, device_type: str) -> None:
-        if _AUTOCAST_TAKES_A_DEVICE:
-            self._is_on = functools.partial(torch.is_autocast_enabled, device_type)
-            self._switch = functools.partial(torch.set_autocast_enabled, device_type)
-        elif device_type == "cpu":
-            self._is_on, self._switch = torch.is_autocast_cpu_enabled, torch.set_autocast_cpu_enabled
-        else:  # CUDA's
-            self._is_on, self._switch = torch.is_autocast_enabled, torch.set_autocast_enabled
-        self._turned_off: list[bool] = []
-
-    def __enter__(self) -> None:
-        on = self._is_on()
-        if on:
-            self._switch(False)
-        self._turned_off.append(on)
-
-    def __exit__(self, *_: Any) -> None:
-        if self._turned_off.pop():
-            self._switch(True)
+#: ``with _autocast_off():`` runs a region with autocast off for every device and restores it on exit, nested or on an
+#: exception: torch's own guard (``torch._C._DisableAutocast``, what its AOT autograd uses), entered and left in C++, so
+#: the five regions of a manual optimization step (backward, clipping, the step) cost no Python call. An
+#: ``torch.autocast`` inside it (a closure's forward) turns the device's autocast back on until it exits.
+_autocast_off = torch._C._DisableAutocast
 
 
 def _has_gradients(optimizer: Any) -> bool:
@@ -213,3 +186,33 @@ def _protect_fused_sgd_momentum(optimizer: Optimizer) -> None:
             )
         for p in missing:
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# ---- torch's refusals, worded for the user: what to do first, then why ----------------------------------------------
+
+
+def _unscales_itself_error(optimizer: Any) -> RuntimeError:
+    return RuntimeError(
+        f"Use an optimizer that follows torch's `grad_scale`/`found_inf` protocol (any built-in `fused=True`"
+        f" optimizer), or do not clip gradients with {type(optimizer).__qualname__}: it unscales gradients inside its"
+        " own `step()` (it takes a `grad_scaler` argument), so its gradients stay multiplied by the loss scale until"
+        " then and cannot be clipped or inspected before the step without being unscaled twice."
+    )
+
+
+def _closure_error(optimizer: Any) -> RuntimeError:
+    return RuntimeError(
+        f"Run the closure yourself (`loss = closure()`), then call `{type(optimizer).__name__}.step()` without it:"
+        " torch's GradScaler does not support closures (\"Closure use is not currently supported if GradScaler is"
+        ' enabled"), since the gradients the closure computes must be unscaled and checked for inf/NaN before the'
+        " step. The step was not taken."
+    )
+
+
+def _nothing_scaled_error(optimizer: Any, backward: str) -> RuntimeError:
+    return RuntimeError(
+        f"Call `{backward}` instead of `loss.backward()`: with a gradient scaler (precision='16-mixed') every"
+        f" backward must go through it. The gradients of {type(optimizer).__name__} come from a backward without the"
+        " loss scale (the scaler has not scaled any loss yet), so the scaler can neither unscale them nor check them"
+        " for inf/NaN. Nothing was changed."
+    )

@@ -34,7 +34,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp_recipe import _TRAINER_API
 from lightning.fabric.plugins.precision.amp_recipe_precision import _LBFGS_MESSAGE, _ScalerRecipeHolder
-from lightning.fabric.plugins.precision.amp_torch_scaler import _AutocastOff
+from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_off
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -43,11 +43,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 
 class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
-    """Backward, clipping and optimizer steps of a precision plugin that autocasts forward code and may scale the loss.
+    """Backward, clipping and optimizer steps of a precision plugin that autocasts forward code and may scale the loss:
+    each runs with autocast off (``_autocast_off``), which a closure's forward turns back on.
 
-    Subclasses set ``scaler`` (a ``GradScaler`` or ``None``), ``precision``, ``cache_enabled`` (whether their autocast
-    caches casts, which must then be cleared after each step) and ``_autocast_device``, and call
-    :meth:`_init_amp_recipe` in ``__init__``.
+    Subclasses set ``scaler`` (a ``GradScaler`` or ``None``), ``precision`` and ``cache_enabled`` (whether their
+    autocast caches casts, which must then be cleared after each step), and call :meth:`_init_amp_recipe` in
+    ``__init__``.
 
     """
 
@@ -56,16 +57,6 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     _run_api = _TRAINER_API
     # whether the subclass's autocast caches casts; off unless it says so
     cache_enabled: bool = False
-
-    @property
-    def _autocast_device(self) -> str:
-        raise NotImplementedError
-
-    @override
-    def _init_amp_recipe(self) -> None:
-        super()._init_amp_recipe()
-        # the parts of a `training_step` that are not forward code (backward, clipping, the step) leave autocast
-        self._outside_forward_context = _AutocastOff(self._autocast_device)
 
     @override
     def connect(
@@ -90,7 +81,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        with self._outside_forward_context:
+        with _autocast_off():
             if self.scaler is not None:
                 recipe = self._scaler_recipe or self._recipe
                 tensor = recipe.scale(tensor)
@@ -107,7 +98,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     ) -> None:
         recipe = None if self.scaler is None else self._scaler_recipe  # `pre_backward` made it, for this scaler
         watch = None if recipe is None else recipe.watch
-        with self._outside_forward_context:
+        with _autocast_off():
             if watch is None:
                 super().backward(tensor, model, optimizer, *args, **kwargs)
             else:
@@ -121,7 +112,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        with self._outside_forward_context:
+        with _autocast_off():
             return super().post_backward(tensor, module)
 
     @override
@@ -132,7 +123,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         if not automatic and closure is not do_nothing_closure:
             # the user's closure holds forward code: it runs under autocast as the `training_step` body does
             closure = partial(self._in_forward_context, closure)
-        with self._outside_forward_context:
+        with _autocast_off():
             if self.scaler is None:
                 output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             else:
@@ -176,7 +167,7 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> Optional[Tensor]:
-        with self._outside_forward_context:
+        with _autocast_off():
             if clip_val > 0 and self.scaler is not None:
                 # clip true gradients: in manual optimization the user clips before `opt.step()` unscales
                 recipe = self._scaler_recipe or self._recipe
