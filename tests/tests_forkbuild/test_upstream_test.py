@@ -153,6 +153,7 @@ def test_the_repository_stack_is_listed_in_merge_order():
     names = [name for name, _ in upstream_test.stack_prs()]
     assert names == ["01-stale-autocast-cache", "05-manual-backward-outside-autocast",
                      "04-clip-gradients-unscales-first", "03-fused-optimizers-under-scaler",
-                     "06-fabric-step-methods-under-precision"]
+                     "06-fabric-step-methods-under-precision", "07-fabric-clip-gradients-under-a-scaler",
+                     "08-fabric-checkpoint-saves-the-scaler"]
     for _, patch in upstream_test.stack_prs():
         assert upstream_test.test_files_of(patch), f"{patch.parent.name} changes no test file"
