@@ -2,9 +2,10 @@
 
 Counted, not timed, so the figures are exact and the test is not flaky: the calls per steady-state step of a 4x256 MLP
 under 16-mixed, the fork against stock Lightning 2.6.6 installed beside it. The bound is what the fork costs today
-(1.016 to 1.028, see the benchmarks' README), so a change that adds Python work to every step, such as a context manager
-written in Python around each autocast-off region (10 calls more: 1.025), fails here. Host reads must not exceed stock's, but for the one documented
-read: a fused optimizer's skipped step, asked by a step-interval scheduler that holds on it (one per step).
+(1.016 to 1.028, see the benchmarks' README), so a change that adds Python work to every step, such as a context
+manager written in Python around each autocast-off region (10 calls more: 1.025), fails here. Host reads must not
+exceed stock's, but for the one documented read: a fused optimizer's skipped step, asked by a step-interval scheduler
+that holds on it (one per step).
 """
 
 import pytest
