@@ -10,8 +10,8 @@ A mutation whose text no longer occurs exactly once is *stale* (the code moved o
 
 Example::
 
-    make mutation-check                                  # every mutation (about 8 minutes on 2 cores)
-    .venv/bin/python tools/mutation_check.py --only fabric-watch --only rule-b-gradients-wait
+    make mutation-check                                  # every mutation (about 6 minutes on 2 cores)
+    .venv/bin/python tools/mutation_check.py --only fabric-watch --only carry-of-unscaled-gradients
 """
 
 from __future__ import annotations
@@ -90,27 +90,26 @@ MUTATIONS = (
     ),
     Mutation(
         "autocast-off-outside-forward",
-        "`manual_backward`, clipping and the step run with autocast off in manual optimization",
+        "`manual_backward`, clipping and the step run with autocast off (torch's own guard) in manual optimization",
         TORCH_ADAPTER,
-        "        on = self._is_on()\n",
-        "        on = False\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+        "_autocast_off = torch._C._DisableAutocast\n",
+        "_autocast_off = __import__('contextlib').nullcontext\n",
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", "-k", "autocast_off"),
     ),
     Mutation(
-        "autocast-back-on-after-each-region",
-        "autocast is back on after `manual_backward`, clipping and the step: the rest of the `training_step` body is"
-        " forward code",
-        TORCH_ADAPTER,
-        "        if self._turned_off.pop():\n            self._switch(True)\n",
-        "        self._turned_off.pop()\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+        "closure-forward-under-autocast",
+        "a closure passed to `opt.step(closure)` in manual optimization runs its forward under autocast again",
+        PYTORCH_RECIPE,
+        "            closure = partial(self._in_forward_context, closure)\n",
+        "            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and closure"),
     ),
     Mutation(
         "a-replaced-scaler-gets-its-recipe",
         "a scaler replaced after the fit's setup (a callback's `on_train_start`) is the one the fit drives",
         FABRIC_PLUGIN,
-        "            self._scaler_recipe = None  # the scaler was replaced",
-        "            pass  # the scaler was replaced",
+        "its recipe comes next\n                self._scaler_recipe = None\n",
+        "its recipe comes next\n                pass\n",
         (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "replaced"),
     ),
     # ---- the Trainer's plugin around the recipe --------------------------------------------------------------------
@@ -118,17 +117,18 @@ MUTATIONS = (
         "clip-unscales-first",
         "`self.clip_gradients` unscales before clipping",
         PYTORCH_RECIPE,
-        "                recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)\n",
+        "                recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else"
+        " optimizer)\n",
         "                pass\n",
-        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py",),
+        (f"{PRECISION_TESTS}/test_amp_manual_recipe.py", "-k", "matches_the_pytorch_amp_recipe and clip"),
     ),
     Mutation(
         "trainer-step-unscales-before-the-hooks",
         "the Trainer unscales before `on_before_optimizer_step` and its clipping, so they see true gradients",
         PYTORCH_RECIPE,
-        "            recipe.unscale(optimizer, required=False)\n",
+        "            recipe.unscale(optimizer, before_step=True)\n",
         "            pass\n",
-        (f"{PRECISION_TESTS}/test_amp_fused.py",),
+        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "matrix and AdamW"),
     ),
     Mutation(
         "closure-run-by-the-user-steps",
@@ -154,7 +154,7 @@ MUTATIONS = (
         PYTORCH_RECIPE,
         "        if recipe is not None and recipe.reach_marks:\n            recipe.after_backward()\n",
         "",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "backward_onto_gradients_unscaled"),
     ),
     Mutation(
         "fabric-compares-reach-marks-after-backward",
@@ -178,8 +178,9 @@ MUTATIONS = (
         "rule (a): once every optimizer of the fit has stepped since the last update, the update follows at once (the"
         " scale read after the step shows a skip; a critic stepped several times updates after each step)",
         FABRIC_RECIPE,
-        "            if self._fit.keys() <= self._stepped:\n                self.settle()\n",
-        "            if False:\n                self.settle()\n",
+        "                if other.stepped_in != self._cycle and other.optimizer() is not None:\n"
+        "                    return output\n",
+        "                return output\n",
         (
             f"{PRECISION_TESTS}/test_amp_iteration.py",
             "-k",
@@ -187,53 +188,70 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "rule-a-waits-for-every-fit-optimizer",
+        "rule (a): the update waits for the last optimizer of the fit to step: several optimizers fed by one backward"
+        " get"
+        " one update, after the last step",
+        FABRIC_RECIPE,
+        "                if other.stepped_in != self._cycle and other.optimizer() is not None:\n",
+        "                if False:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "fed_by_one_backward"),
+    ),
+    Mutation(
         "empty-fit-updates-after-each-step",
         "with no optimizer declared for the fit, each step gets its update right after it, as in stock Lightning",
         FABRIC_RECIPE,
-        "        elif not self._fit:",
-        "        elif False:",
+        "        elif self._fit:\n            return output\n",
+        "        else:\n            return output\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "without_declared_optimizers"),
     ),
     Mutation(
         "rule-b-update-before-the-next-backward",
-        "rule (b): the owed update is applied before the next scaled backward (Fabric's loop, an interleaved GAN)",
+        "rule (b): the owed update is applied before the next scaled backward, always (Fabric's loop, an interleaved"
+        " GAN,"
+        " a critic stepped n times)",
         FABRIC_RECIPE,
-        "        if self._owed and not self._gradients_wait():\n            self.settle()\n",
-        "",
+        "        if self._owed:\n            self.settle()\n        elif self._torch.recorded():",
+        "        if False:\n            self.settle()\n        elif self._torch.recorded() and not self._owed:",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "interleaved or update_count"),
     ),
     Mutation(
-        "rule-b-gradients-wait",
-        "rule (b): the owed update waits while an optimizer that has not stepped since holds gradients produced since"
-        " the update: they never meet a second scale",
+        "rule-b-a-clip-alone-owes-no-update",
+        "rule (b): gradients unscaled and not stepped (a clip without a step) wait for their step: no update before the"
+        " next backward, one update per iteration as in torch's loop",
         FABRIC_RECIPE,
-        "            if _has_gradients(optimizer) and (marks is None or not _same_gradients(optimizer, marks)):\n"
-        "                return True\n",
-        "            pass\n",
-        (
-            f"{FABRIC_TESTS}/test_amp_fabric_cases.py",
-            "-k",
-            "own_backward or waits_for_its_step or clip_without_a_step",
-        ),
+        "            if marks:\n                self._cycle += 1\n",
+        "            if False:\n                self._cycle += 1\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_cases.py", "-k", "clip_without_a_step_does_not_update"),
     ),
     Mutation(
-        "rule-b-stepped-optimizers-do-not-hold-the-update",
-        "rule (b): an optimizer that stepped since the update does not hold it back (a critic stepped n times gets an"
-        " update after each step)",
+        "rule-b-cleared-unscaled-gradients-update",
+        "rule (b): an optimizer unscaled and not stepped whose gradients were cleared gets the update before the next"
+        " backward, as torch's loop (`unscale_`, `zero_grad`, `update`)",
         FABRIC_RECIPE,
-        "            if optimizer is None or key in self._stepped:\n                continue\n"
-        "            if self._torch.stage(optimizer, wrappers)[0] is OptState.STEPPED:\n                continue\n",
-        "            if optimizer is None:\n                continue\n",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "critic"),
+        "                    if not _has_gradients(optimizer):\n                        marks = []\n",
+        "                    if False:\n                        marks = []\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "unscaled_then_cleared"),
     ),
     Mutation(
-        "rule-b-gradients-marked-at-the-update",
-        "rule (b): the gradients each optimizer holds at an update are marked, so gradients older than the update do"
-        " not hold the next one back",
+        "cycle-starts-at-a-backward-owing-nothing",
+        "a backward that owes no update starts a new cycle: an optimizer that stepped without gradients before it (a"
+        " plain"
+        " step, owing nothing) has not stepped in the cycle its gradients start",
         FABRIC_RECIPE,
-        "        if len(self._fit) > 1:\n            self._update_marks = ",
-        "        if False:\n            self._update_marks = ",
-        (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "critic"),
+        "            self._cycle += 1  # steps without gradients owe nothing",
+        "            pass  # steps without gradients owe nothing",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "earlier_stepped_optimizer_holds_new_gradients"),
+    ),
+    Mutation(
+        "cycle-starts-at-a-backward-after-a-clip",
+        "a backward after a clip without a step (no update owed) starts a new cycle too: an optimizer that stepped"
+        " without"
+        " gradients before it has not stepped in the cycle its gradients start",
+        FABRIC_RECIPE,
+        "            if marks:\n                self._cycle += 1\n",
+        "            if marks:\n                pass\n",
+        (f"{FABRIC_TESTS}/test_amp_recipe_mechanisms.py", "-k", "plain_step_before_a_backward_after_a_clip"),
     ),
     Mutation(
         "rule-c-iteration-end-settles",
@@ -244,11 +262,20 @@ MUTATIONS = (
         (f"{PRECISION_TESTS}/test_amp_iteration.py", f"{PRECISION_TESTS}/test_amp_skipped_steps.py"),
     ),
     Mutation(
+        "iteration-start-counts-a-backward",
+        "a Trainer's iteration start counts as a backward the recipe cannot see (the user's own"
+        " `scaler.scale(loss).backward()`): a clip after it is not \"right after the last step\", it unscales",
+        FABRIC_PLUGIN,
+        "                recipe.backwards += 1\n",
+        "                pass\n",
+        (f"{PRECISION_TESTS}/test_amp_user_loops.py", "-k", "plugins_scaler"),
+    ),
+    Mutation(
         "trainer-teardown-applies-the-owed-update",
         "the end of the fit applies the owed update (a step in `on_train_epoch_end`)",
         FABRIC_RECIPE,
-        "        self.settle()\n        self._fit.clear()\n",
-        "        self._fit.clear()\n",
+        "        self.settle()\n        for record in list(self._records.values()):\n",
+        "        for record in list(self._records.values()):\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "on_train_epoch_end"),
     ),
     Mutation(
@@ -256,43 +283,91 @@ MUTATIONS = (
         "a fit's optimizers are dropped when it ends: a second fit with the same plugin updates after its own"
         " optimizer's step",
         FABRIC_RECIPE,
-        "        self.settle()\n        self._fit.clear()\n",
-        "        self.settle()\n",
+        "        self._fit = []\n\n    def scale(",
+        "        pass\n\n    def scale(",
         (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "reused_by_a_second_trainer"),
     ),
     Mutation(
         "users-own-inf-check-owes-an-update",
-        "an inf check recorded by the user's own `scaler.unscale_` owes an update too",
+        "an inf check recorded by the user's own `scaler.unscale_` (or a clip without a step) calls for the update at a"
+        " settle",
         FABRIC_RECIPE,
-        "        if not (self._owed or self._torch.recorded()):\n",
-        "        if not self._owed:\n",
+        "        if self._torch.recorded():\n            self._update()\n",
+        "        if self._owed:\n            self._update()\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "users_own_unscale_owes"),
     ),
     Mutation(
         "collected-optimizer-leaves-the-fit",
-        "a collected optimizer leaves the fit: its id is free, and the others still update after their steps",
+        "a collected optimizer of the fit is not waited for: the others still update after their steps",
         FABRIC_RECIPE,
-        "        recipe._fit.pop(key, None)\n",
-        "        pass\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py",),
+        "                if other.stepped_in != self._cycle and other.optimizer() is not None:\n",
+        "                if other.stepped_in != self._cycle:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "collected_optimizer_leaves_the_fit"),
+    ),
+    Mutation(
+        "records-go-with-their-optimizers",
+        "an optimizer's record (its skip signal, its hook's handle) goes when the optimizer is collected: a new"
+        " optimizer"
+        " that CPython gives the same `id()` starts afresh",
+        FABRIC_RECIPE,
+        "    records.pop(ref, None)  # the optimizer went",
+        "    pass  # the optimizer went",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "records_go_with_their_optimizers"),
+    ),
+    Mutation(
+        "fit-drops-collected-records",
+        "a fit's list of optimizers drops the collected ones when another is tracked: k-fold with one Fabric keeps one",
+        FABRIC_RECIPE,
+        "self._fit = [r for r in self._fit if r.optimizer() is not None] + [record]",
+        "self._fit = self._fit + [record]",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "records_go_with_their_optimizers"),
     ),
     # ---- unscale and step ------------------------------------------------------------------------------------------
     Mutation(
         "users-own-unscale-is-read",
         "the user's own `scaler.unscale_(opt)` (or a step since the update) is torch's stage, read: no second unscale",
         FABRIC_RECIPE,
-        "        if stage is not OptState.READY or (\n",
-        "        if (\n",
-        (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", f"{FABRIC_TESTS}/test_amp_fabric_recipe.py"),
+        "        if self._torch.stage(optimizer, record.wrappers)[0] is not OptState.READY:\n            return",
+        "        if False:\n            return",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "idempotent or wrapper_is_read"),
     ),
     Mutation(
         "clip-after-step-changes-nothing",
-        "a clip or unscale of an optimizer that stepped, with no backward since (its step marks), changes nothing: no"
-        " second unscale, no second update, the true norm",
+        "a clip or unscale of an optimizer right after its step (no scaled backward since) changes nothing: no second"
+        " unscale, no second update, the true norm",
         FABRIC_RECIPE,
-        "            mark is not None\n            and mark[1]() is grad\n",
-        "            mark is not None\n            and False\n",
+        "        if record.stepped_at == self.backwards or record.unscaled_in == self._cycle:\n",
+        "        if record.unscaled_in == self._cycle:\n",
         (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "clip_after_the_step"),
+    ),
+    Mutation(
+        "unscaled-in-this-cycle-only",
+        "the recipe's own unscale is taken as done only within its update cycle: a clip in a later cycle unscales"
+        " again",
+        FABRIC_RECIPE,
+        " or record.unscaled_in == self._cycle:\n            return",
+        " or record.unscaled_in >= 0:\n            return",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "one_optimizer_updates_right_after_each_step"),
+    ),
+    Mutation(
+        "step-reads-the-recipes-unscale-of-this-cycle",
+        "a step takes the recipe's own unscale as done only within its update cycle: a later step without gradients"
+        " is a"
+        " plain step, a sharded scaler's rank unscales",
+        FABRIC_RECIPE,
+        "                if record.unscaled_in == self._cycle\n",
+        "                if record.unscaled_in >= 0\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "applied_before_a_backward_when_no_gradients_wait"),
+    ),
+    Mutation(
+        "a-second-step-on-the-same-gradients",
+        "a step right after the optimizer's step (no scaled backward since) steps again on the same true gradients,"
+        " skipped"
+        " if the first was: no second unscale, no torch error",
+        FABRIC_RECIPE,
+        "        if record.stepped_at == self.backwards:  # again",
+        "        if False:  # again",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "second_step_on_the_gradients"),
     ),
     Mutation(
         "no-unscale-without-gradients",
@@ -312,28 +387,39 @@ MUTATIONS = (
     ),
     Mutation(
         "sharded-scaler-always-steps-through-the-scaler",
-        "under `ShardedGradScaler` a rank without gradients still steps through the scaler",
+        "under `ShardedGradScaler` a rank without gradients still unscales before its step: the all-reduces stay"
+        " paired",
         FABRIC_RECIPE,
-        "            if not (self._torch.sharded or _has_gradients(optimizer)):  # nothing to unscale or skip on\n",
-        "            if not _has_gradients(optimizer):  # nothing to unscale or skip on\n",
+        "                if self._torch.sharded:  # every rank unscales",
+        "                if False:  # every rank unscales",
         (f"{FABRIC_TESTS}/test_fsdp_precision_ranks.py",),
     ),
     Mutation(
         "plain-step-without-gradients",
         "a step with no gradients is a plain step, not torch's bare AssertionError",
         FABRIC_RECIPE,
-        "            if not (self._torch.sharded or _has_gradients(optimizer)):  # nothing to unscale or skip on\n",
-        "            if False:\n",
+        "                elif not _has_gradients(optimizer):\n                    holder = None",
+        "                elif False:\n                    holder = None",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and (without_gradients or zeroed_grads)"),
     ),
     Mutation(
-        "nothing-scaled-error",
-        "by default, a step or clipping before the scaler scaled any loss raises, naming the backward to call (torch's"
+        "nothing-scaled-error-at-unscale",
+        "a clip (an unscale) before the scaler scaled any loss raises, naming the backward to call (torch's"
         " AssertionError turned into the recipe's error)",
         FABRIC_RECIPE,
-        "            if not self._torch.has_scaled():\n                raise _nothing_scaled_error(",
-        "            if False:\n                raise _nothing_scaled_error(",
+        "error:\n            if not self._torch.has_scaled():\n",
+        "error:\n            if False:\n",
         (f"{PRECISION_TESTS}/test_amp_users_own_scale.py", "-k", "raises_by_default"),
+    ),
+    Mutation(
+        "nothing-scaled-error",
+        "a step before the scaler scaled any loss raises, naming the backward to call (torch's AssertionError turned"
+        " into"
+        " the recipe's error)",
+        FABRIC_RECIPE,
+        "error:\n                        if not self._torch.has_scaled():\n",
+        "error:\n                        if False:\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "nothing_scaled_raises_by_default and step"),
     ),
     Mutation(
         "closures-refused-under-the-scaler",
@@ -347,7 +433,8 @@ MUTATIONS = (
         "fused-sgd-momentum",
         "fused SGD gets zero momentum buffers before a first step the scaler may skip",
         FABRIC_RECIPE,
-        "        if in_kernel and isinstance(optimizer, SGD):\n            _protect_fused_sgd_momentum(optimizer)\n",
+        "                if in_kernel and isinstance(optimizer, SGD):\n"
+        "                    _protect_fused_sgd_momentum(optimizer)\n",
         "",
         (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "momentum"),
     ),
@@ -358,6 +445,15 @@ MUTATIONS = (
         '        if group["dampening"] != 0:\n',
         "        if False:\n",
         (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "dampening"),
+    ),
+    Mutation(
+        "unscales-itself-refused-at-clip",
+        "clipping an optimizer that unscales inside its own `step()` (a `grad_scaler` argument) raises instead of"
+        " unscaling its gradients twice",
+        FABRIC_RECIPE,
+        "            if not before_step:\n                raise _unscales_itself_error(optimizer)\n",
+        "            if False:\n                raise _unscales_itself_error(optimizer)\n",
+        (f"{PRECISION_TESTS}/test_amp_fused.py", "-k", "cannot_be_clipped"),
     ),
     Mutation(
         "fused-with-sharded-scaler-steps-on-the-host",
@@ -382,7 +478,7 @@ MUTATIONS = (
         "wrappers-tracked",
         "the recipe keeps each tracked optimizer's wrappers, which a user may hand to `scaler.unscale_`",
         FABRIC_RECIPE,
-        "            self._fit[key][1].append(weakref.ref(wrapper))\n",
+        "            record.wrappers.append(weakref.ref(wrapper))\n",
         "            pass\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "wrapper"),
     ),
@@ -397,121 +493,106 @@ MUTATIONS = (
     # ---- gradients that would mix two scales ------------------------------------------------------------------------
     Mutation(
         "mark-unscaled-before-a-backward",
-        "before a scaled backward, the gradients it must not reach (unscaled, of another scale, stepped while the update waits) are marked",
+        "before a scaled backward, the gradients of optimizers unscaled and not stepped are marked (their versions)",
         FABRIC_RECIPE,
-        "        if self._unscaled or self._stale or self._stepped or self._refused:\n            self._mark_before_backward()\n",
-        "",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+        "                self.reach_marks = marks\n",
+        "                pass\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_that_backward"),
+    ),
+    Mutation(
+        "reach-marks-read-versions",
+        "the reach marks hold each gradient's version counter: a backward that accumulates into unscaled gradients in"
+        " place is seen",
+        FABRIC_RECIPE,
+        "(weakref.ref(p.grad), p.grad._version)",
+        "(weakref.ref(p.grad), 0)",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_that_backward"),
     ),
     Mutation(
         "mixed-scales-detected",
-        "unscaled gradients a scaled backward reached (their marks changed) are recorded as mixing two scales",
+        "a scaled backward that wrote into gradients unscaled and not stepped (two scales mixed) is refused after it",
         FABRIC_RECIPE,
-        "                if error is not None:\n                    self._refused[key] = (ref, error, _gradient_marks(optimizer))\n",
-        "                if False:\n                    self._refused[key] = (ref, error, _gradient_marks(optimizer))\n",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
-    ),
-    Mutation(
-        "stepped-again-refused",
-        "a second step of an optimizer before the update its first step owes, with a backward since, is refused with the"
-        " recipe's error instead of torch's",
-        FABRIC_RECIPE,
-        "            if stage is OptState.STEPPED and stepped_at != self._scaled_losses:\n",
-        "            if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "random_event_sequences"),
+        " and _gradient_versions(optimizer) != versions:\n",
+        " and False:\n",
+        (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "backward_onto_gradients_unscaled"),
     ),
     Mutation(
         "trainer-unscale-gradients",
         "the Trainer's `unscale_gradients` unscales (once per update, whoever asks first)",
         PYTORCH_RECIPE,
-        "            self._recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)\n\n"
+        "            self._recipe.unscale(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else"
+        " optimizer)\n\n"
         "    @override\n    def optimizer_step_was_skipped",
         "            pass\n\n    @override\n    def optimizer_step_was_skipped",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "unscale_gradients_unscales_once"),
     ),
     Mutation(
-        "refused-gradients-stay-refused",
-        "gradients refused (mixed scales, stepped again) that another scaled backward reaches stay refused",
-        FABRIC_RECIPE,
-        "        for key, (ref, error, marks) in list(self._refused.items()):\n",
-        "        for key, (ref, error, marks) in []:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_gradients_reached_again"),
-    ),
-    Mutation(
-        "a-plain-step-reached-has-not-stepped",
-        "an optimizer that stepped without gradients and is then reached by a backward is not refused as stepped again",
-        FABRIC_RECIPE,
-        "None if self._step_marks[key][1] is _NO_GRADIENT else _stepped_again_error",
-        "_stepped_again_error",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "stepped_without_gradients_is_not_refused"),
-    ),
-    Mutation(
         "unscaled-out-of-reach-steps",
-        "unscaled gradients a backward did not reach (their marks unchanged) may still step: a GAN that clips each"
+        "unscaled gradients a backward did not reach (their versions unchanged) may still step: a GAN that clips each"
         " network after its own backward",
         FABRIC_RECIPE,
-        "            if optimizer is not None and not _same_gradients(optimizer, marks):\n"
-        "                self._stepped.discard(key)\n",
-        "            if optimizer is not None:\n                self._stepped.discard(key)\n",
+        " and _gradient_versions(optimizer) != versions:\n",
+        " and True:\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "gan"),
     ),
+    # ---- the carry: gradients that wait move into the new scale ----------------------------------------------------
     Mutation(
-        "refuse-mixed-scales",
-        "gradients that mix two scales are refused at the step and at clipping (the accumulation pitfall)",
+        "carry-of-waiting-gradients",
+        "the carry: at an update, gradients that wait for their step (`READY`) are multiplied by new/old scale",
         FABRIC_RECIPE,
-        "            if _same_gradients(optimizer, refused[2]):\n                raise refused[1](optimizer)\n",
-        "            if False:\n                raise refused[1](optimizer)\n",
-        (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and stepped_every_second"),
+        "self._torch.scale() if unscaled else self._torch.scale() / old_scale)",
+        "self._torch.scale() if unscaled else old_scale / old_scale)",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "gradients_that_wait_are_carried"),
     ),
     Mutation(
-        "stale-gradients-marked-at-the-update",
-        "gradients unscaled and not stepped when an update is applied are remembered as unscaled with the old scale",
+        "carry-of-unscaled-gradients",
+        "the carry: at an update, gradients unscaled and not stepped (`UNSCALED`, which the update makes `READY`) are"
+        " multiplied by the new scale",
         FABRIC_RECIPE,
-        "                self._stale[key] = (ref, True, _gradient_marks(optimizer))\n",
-        "                pass\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "unscaled_before_the_update or unscaled_two_updates"),
+        "self._torch.scale() if unscaled else self._torch.scale() / old_scale)",
+        "old_scale / old_scale if unscaled else self._torch.scale() / old_scale)",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "carried_to_its_end"),
     ),
     Mutation(
-        "stale-gradients-refused-at-the-step",
-        "a step on gradients unscaled before the last update, and not written since, is refused",
+        "carry-skips-optimizers-that-stepped",
+        "the carry leaves the gradients of optimizers that stepped in the cycle alone: they are true gradients",
         FABRIC_RECIPE,
-        "                raise _stale_error(optimizer, unscaled=self._stale[key][1])\n",
-        "                pass\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "unscaled_before_the_update or unscaled_two_updates"),
-    ),
-    Mutation(
-        "stale-gradients-written-since-are-a-fresh-cycle",
-        "gradients unscaled before the last update and written since (cleared, computed again) step as torch steps"
-        " them",
-        FABRIC_RECIPE,
-        "        if stale is not None and not _same_gradients(optimizer, stale[2]):\n",
-        "        if False:\n",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "until_they_are_written"),
+        "            if optimizer is not None and record.stepped_in != self._cycle:\n",
+        "            if optimizer is not None:\n",
+        (f"{FABRIC_TESTS}/test_amp_recipe_mechanisms.py", "-k", "optimizer_that_stepped"),
     ),
     # ---- the skip signal -------------------------------------------------------------------------------------------
     Mutation(
         "skip-signal-step-hook",
         "a non-fused step's skip is whether its `step()` ran (a step post-hook): decided on the host, no device read",
         FABRIC_RECIPE,
-        "        if not in_kernel and key not in self._step_hooks:\n",
-        "        if False:\n",
+        "if not in_kernel and record.step_hook is None:",
+        "if False:",
         (f"{PRECISION_TESTS}/test_amp_skipped_steps.py", "-k", "exactly_on_forced_overflows"),
     ),
     Mutation(
         "skip-signal-of-fused-optimizers",
         "a fused optimizer's `step()` always runs: its skip is its inf check",
         FABRIC_RECIPE,
-        "self._torch.found_inf(holder) if in_kernel else not self._step_ran)",
-        "not self._step_ran)",
+        "skipped = self._torch.found_inf(holder) if in_kernel else not self._step_ran",
+        "skipped = not self._step_ran",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "skip"),
     ),
     Mutation(
         "fused-skip-read-only-when-asked",
         "a fused optimizer's inf check is read from the device only when someone asks: no host read per step",
         FABRIC_RECIPE,
-        "        if skipped is None or isinstance(skipped, bool):\n",
-        "        if skipped is None or isinstance(skipped, bool) or bool(skipped):\n",
+        "        if isinstance(skipped, Tensor):\n",
+        "        if isinstance(skipped, Tensor) and skipped.item() >= 0:\n",
         (f"{PRECISION_TESTS}/test_amp_recipe_cases.py", "-k", "host_reads"),
+    ),
+    Mutation(
+        "fused-skips-counted-on-the-device",
+        "the fused optimizers' skips add up in one running count on the device",
+        FABRIC_RECIPE,
+        "self._fused_skipped = skipped.gt(0).int() + self._fused_skipped",
+        "self._fused_skipped = skipped.gt(0).int()",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "skip_count"),
     ),
     Mutation(
         "inf-checks-copied",
@@ -526,32 +607,51 @@ MUTATIONS = (
         "skip-signal-hooks-released",
         "the step hooks of the skip signal go when the fit ends: a raw optimizer kept after the fit pays nothing",
         FABRIC_RECIPE,
-        "            handle.remove()\n        self._step_hooks.clear()\n",
-        "            pass\n        self._step_hooks.clear()\n",
+        "            if record.step_hook is not None:\n                record.step_hook.remove()\n",
+        "            if False:\n                record.step_hook.remove()\n",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "end_fit"),
     ),
     Mutation(
         "schedulers-hold-on-skipped-steps",
-        "a step-interval LR scheduler does not advance on a skipped step",
+        "a step-interval LR scheduler does not advance on a skipped step, fused optimizers included",
         "pytorch/loops/training_epoch_loop.py",
-        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer, sync=False)\n",
+        "                    and trainer.precision_plugin.optimizer_step_was_skipped(optimizer)\n",
         "                    and False\n",
         (f"{PRECISION_TESTS}/test_amp_skipped_steps.py",),
+    ),
+    Mutation(
+        "a-batch-without-a-step-was-not-skipped",
+        "a batch of automatic optimization that does not step (`training_step` returned None) forgets the last step's"
+        " skip: a step-interval scheduler does not depend on the batch before",
+        FABRIC_RECIPE,
+        "        if record is not None:\n            record.last_skip = False\n",
+        "        if record is not None:\n            pass\n",
+        (f"{PRECISION_TESTS}/test_amp_skipped_steps.py", "-k", "batch_without_step"),
     ),
     Mutation(
         "loss-scale-monitor-per-optimizer-step",
         "`LossScaleMonitor` logs once per optimizer step under gradient accumulation",
         "pytorch/callbacks/loss_scale_monitor.py",
-        "        if epoch_loop._should_accumulate():\n            return  #",
-        "        if False:\n            return  #",
+        "            if epoch_loop._should_accumulate():\n                return  #",
+        "            if False:\n                return  #",
         (f"{PRECISION_TESTS}/test_amp_differential.py", "-k", "test_fork and loss_scale_monitor"),
+    ),
+    Mutation(
+        "loss-scale-monitor-manual-per-optimizer-step",
+        "`LossScaleMonitor` logs once per optimizer step in manual optimization too, where a batch that accumulates"
+        " steps none",
+        "pytorch/callbacks/loss_scale_monitor.py",
+        "            due = steps > self._steps_before_batch and steps // every > self._steps_before_batch // every\n",
+        "            due = (epoch_loop._batches_that_stepped + 1) % every == 0\n",
+        ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "manual_accumulation"),
     ),
     Mutation(
         "loss-scale-monitor-counts-this-run",
         "`LossScaleMonitor` counts the skips of its own run: not those of an earlier fit or `lr_find` of the same"
         " Trainer",
         "pytorch/callbacks/loss_scale_monitor.py",
-        "        self._skipped_before_run = 0 if self._plugin is None else int(self._plugin._recipe.skipped_steps.item())\n",
+        "        self._skipped_before_run = 0 if self._plugin is None else"
+        " int(self._plugin._recipe.skipped_steps.item())\n",
         "        self._skipped_before_run = 0\n",
         ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "second_fit or lr_find"),
     ),
@@ -584,8 +684,8 @@ MUTATIONS = (
         "recipe-pickles-without-the-fit",
         "a pickled plugin (launchers, `ddp_spawn`) leaves the fit, hooks and weak references behind",
         FABRIC_RECIPE,
-        "            _fit={}, _unscaled={}, ",
-        "            _unscaled={}, ",
+        '"_records": {}, "_fit": [], ',
+        '"_records": {}, ',
         (f"{FABRIC_TESTS}/test_amp_recipe_pickle.py",),
     ),
     Mutation(
@@ -623,37 +723,58 @@ MUTATIONS = (
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "backward or raw"),
     ),
     Mutation(
-        "watch-refuses-at-unscale-and-step",
-        "with the watch on, an unscale or step of an optimizer holding gradients of a backward without the scale"
+        "fabric-teardown-unwatches",
+        "the end of the fit takes the watch's hooks off the parameters",
+        FABRIC_WATCH,
+        "        super().end_fit()\n        self.unwatch()\n",
+        "        super().end_fit()\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
+    ),
+    Mutation(
+        "watch-refuses-at-unscale",
+        "with the watch on, an unscale (a clip) of an optimizer holding gradients of a backward without the scale"
         " raises",
-        FABRIC_RECIPE,
-        "        if self.watch is not None:\n            self.watch.refuse(",
-        "        if False:\n            self.watch.refuse(",
+        FABRIC_WATCH,
+        "        self.refuse(f\"`{type(optimizer).__name__}`'s unscale or step\", optimizer)\n"
+        "        super().unscale(optimizer, before_step)\n",
+        "        super().unscale(optimizer, before_step)\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "loss_backward_instead"),
     ),
     Mutation(
-        "fabric-teardown-unwatches",
-        "the end of the fit takes the watch's hooks off the parameters",
-        FABRIC_RECIPE,
-        "        self._stale.clear()\n        self.unwatch()\n",
-        "        self._stale.clear()\n",
-        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "teardown"),
+        "watch-refuses-at-step",
+        "with the watch on, a step of an optimizer holding gradients of a backward without the scale raises",
+        FABRIC_WATCH,
+        "        self.refuse(f\"`{type(optimizer).__name__}`'s unscale or step\", optimizer)\n"
+        "        return super().step(optimizer, **kwargs)\n",
+        "        return super().step(optimizer, **kwargs)\n",
+        (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "loss_backward_instead"),
     ),
     Mutation(
         "watch-window",
         "the watch switches itself off after its first updates: no cost per step afterwards",
-        FABRIC_RECIPE,
-        "        if self.watch is not None and self._updates >= self.watch.ends_at_update and not self.watch.accumulations:\n"
+        FABRIC_WATCH,
+        "        if self.watch is not None and self.updates >= self.ends_at_update and not self.accumulations:\n"
         "            self.unwatch()\n",
         "",
         (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "watch_ends"),
+    ),
+    Mutation(
+        "watch-knows-the-recipes-own-steps",
+        "with the watch on, the recipe's own `optimizer.step()` (a step again on true gradients, a step after the"
+        " user's"
+        " unscale through a wrapper) is not taken for a raw step",
+        FABRIC_WATCH,
+        "        self._recipe_steps.add(id(optimizer))  # the recipe's own step",
+        "        pass  # the recipe's own step",
+        (f"{FABRIC_TESTS}/test_amp_recipe_mechanisms.py", "-k", "second_step_on_the_same_gradients"),
     ),
     Mutation(
         "watch-goes-with-its-parameters",
         "the watch holds its optimizers, parameters and their hooks weakly: a collected model takes its hooks along",
         FABRIC_WATCH,
         "            if optimizer not in self._watched:\n",
-        "            self.__dict__.setdefault('_kept', []).append(optimizer)\n            if optimizer not in self._watched:\n",
+        "            self.__dict__.setdefault('_kept', []).append(optimizer)\n"
+        "            if optimizer not in self._watched:\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "collected_model"),
     ),
     Mutation(
@@ -677,7 +798,8 @@ MUTATIONS = (
         "fabric-save-bare-scaler",
         "a bare `GradScaler` in `fabric.save`'s state is saved as the plugin's state, the owed update included",
         "fabric/fabric.py",
-        "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in unwrapped_state.items()}\n",
+        "            unwrapped_state = {k: precision_state if v is scaler else v for k, v in"
+        " unwrapped_state.items()}\n",
         "            pass\n",
         (f"{FABRIC_TESTS}/test_amp_fabric_recipe.py", "-k", "bare_scaler and owed_update"),
     ),
@@ -786,11 +908,36 @@ def _pytest(tests: tuple[str, ...], pythonpath: str = "") -> tuple[int, str]:
     return result.returncode, "\n".join((result.stdout + result.stderr).strip().splitlines()[-3:])
 
 
-def baseline(mutation: Mutation) -> None:
-    """The tests pass on the fork as installed, so a failure under the mutation is the mutation's."""
-    returncode, tail = _pytest(mutation.tests)
-    if returncode != 0:
-        raise SystemExit(f"mutation-check: the tests of {mutation.name} fail without the mutation:\n{tail}")
+def union(mutations: tuple[Mutation, ...]) -> tuple[str, ...]:
+    """One pytest selection of every test the mutations run, and no other: each selection's ``-k`` expression applies
+    to its own files, named by their module's file name (a keyword of each test in it)."""
+    paths: dict[str, None] = {}
+    terms: dict[str, None] = {}
+    for m in mutations:
+        args = list(m.tests)
+        expression = None
+        if "-k" in args:
+            at = args.index("-k")
+            expression = args[at + 1]
+            del args[at : at + 2]
+        for path in args:
+            paths[path] = None
+            module = Path(path).name
+            terms[module if expression is None else f"({module} and ({expression}))"] = None
+    return (*paths, "-k", " or ".join(terms))
+
+
+def baseline(mutations: tuple[Mutation, ...]) -> None:
+    """The tests pass on the fork as installed, so a failure under a mutation is the mutation's: all of them in one run
+    (a pytest start per selection would cost as much as the mutations), each selection on its own only to name the
+    mutation whose tests fail."""
+    if _pytest(union(mutations))[0] == 0:
+        return
+    for mutation in mutations:
+        returncode, tail = _pytest(mutation.tests)
+        if returncode != 0:
+            raise SystemExit(f"mutation-check: the tests of {mutation.name} fail without the mutation:\n{tail}")
+    raise SystemExit("mutation-check: the tests fail without a mutation when run together (not one by one)")
 
 
 def run(mutation: Mutation, package: Path, scratch: Path) -> tuple[bool, float, str]:
@@ -823,12 +970,11 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("stale mutations (update tools/mutation_check.py):", *problems, sep="\n  ")
         return 1
-    survived, passing = [], set()
+    if not args.no_baseline:
+        baseline(selected)
+    survived = []
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as scratch:
         for m in selected:
-            if not args.no_baseline and m.tests not in passing:  # several mutations share a selection: run it once
-                baseline(m)
-                passing.add(m.tests)
             killed, seconds, tail = run(m, package, Path(scratch))
             print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:40} {seconds:6.1f} s  {m.removes}", flush=True)
             if not killed:
