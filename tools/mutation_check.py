@@ -506,15 +506,23 @@ MUTATIONS = (
         FABRIC_RECIPE,
         "(weakref.ref(p.grad), p.grad._version)",
         "(weakref.ref(p.grad), 0)",
-        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "refused_at_that_backward"),
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "two_networks_each_clipped or refused_at_that_backward"),
     ),
     Mutation(
         "mixed-scales-detected",
         "a scaled backward that wrote into gradients unscaled and not stepped (two scales mixed) is refused after it",
         FABRIC_RECIPE,
-        " and _gradient_versions(optimizer) != versions:\n",
+        " and _written(optimizer, versions):\n",
         " and False:\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "backward_onto_gradients_unscaled"),
+    ),
+    Mutation(
+        "reach-marks-compare-identity",
+        "a gradient tensor a backward replaced (out of place) counts as written, compared by identity, never by value",
+        FABRIC_RECIPE,
+        "        elif mark[0]() is not p.grad or mark[1] != p.grad._version:\n",
+        "        elif mark[1] != p.grad._version:\n",
+        (f"{FABRIC_TESTS}/test_grad_scaler_recipe.py", "-k", "identity_not_by_value"),
     ),
     Mutation(
         "trainer-unscale-gradients",
@@ -531,7 +539,7 @@ MUTATIONS = (
         "unscaled gradients a backward did not reach (their versions unchanged) may still step: a GAN that clips each"
         " network after its own backward",
         FABRIC_RECIPE,
-        " and _gradient_versions(optimizer) != versions:\n",
+        " and _written(optimizer, versions):\n",
         " and True:\n",
         (f"{PRECISION_TESTS}/test_amp_iteration.py", "-k", "gan"),
     ),
@@ -641,7 +649,7 @@ MUTATIONS = (
         "`LossScaleMonitor` logs once per optimizer step in manual optimization too, where a batch that accumulates"
         " steps none",
         "pytorch/callbacks/loss_scale_monitor.py",
-        "            due = steps > self._steps_before_batch and steps // every > self._steps_before_batch // every\n",
+        "            due = steps // every > self._steps_before_batch // every\n",
         "            due = (epoch_loop._batches_that_stepped + 1) % every == 0\n",
         ("tests/tests_pytorch/callbacks/test_loss_scale_monitor.py", "-k", "manual_accumulation"),
     ),

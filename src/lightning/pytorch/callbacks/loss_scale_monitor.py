@@ -117,7 +117,7 @@ class LossScaleMonitor(Callback):
             # manual optimization counts optimizer steps (`global_step`, restored on resume): a batch that stepped none
             # (accumulating) logs nothing; one that crossed a multiple of `every` logs
             steps = trainer.global_step
-            due = steps > self._steps_before_batch and steps // every > self._steps_before_batch // every
+            due = steps // every > self._steps_before_batch // every
         if not due:
             return
         stats = self._stats(trainer)

@@ -1183,6 +1183,23 @@ def test_an_exception_in_a_backward_leaves_nothing_behind():
         recipe.step(opt)
 
 
+def test_gradients_replaced_while_unscaled_are_compared_by_identity_not_by_value():
+    """A clipped optimizer's gradient tensors replaced during a scaled backward (as an out-of-place accumulation does),
+    the old tensors still alive: the marks compare tensors by identity and version counter, never by value (which
+    would read the device, or raise for a multi-element tensor), and the backward is refused as writing into them."""
+    nets, opts, _, _, recipe, _ = _fit(2)
+    _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
+    recipe.unscale(opts[0])
+    scaled = recipe.scale(_loss(nets[1]))
+    kept = [p.grad for p in nets[0].parameters()]
+    for p in nets[0].parameters():
+        p.grad = p.grad.clone()
+    scaled.backward()
+    with pytest.raises(RuntimeError, match="mix two scales"):
+        recipe.after_backward()
+    assert len(kept) == 2
+
+
 def test_the_records_go_with_their_optimizers():
     """One record per optimizer, keyed weakly: a collected optimizer leaves nothing behind (no hook, no skip signal), and
     a new optimizer that CPython gives the same ``id()`` starts afresh (k-fold with one Fabric)."""

@@ -183,7 +183,7 @@ class GradScalerRecipe:
         marks, self.reach_marks = self.reach_marks, []
         for ref, versions in marks:
             optimizer = ref()
-            if optimizer is not None and _gradient_versions(optimizer) != versions:
+            if optimizer is not None and _written(optimizer, versions):
                 raise _mixed_scales_error(optimizer)
 
     def unscale(self, optimizer: Optimizer, before_step: bool = False) -> None:
@@ -348,6 +348,19 @@ def _gradient_versions(optimizer: Any) -> list:
     """Each gradient (weakly) and its version counter: a backward that writes a gradient changes its entry."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params]
+
+
+def _written(optimizer: Any, versions: list) -> bool:
+    """Whether a gradient of ``optimizer`` was created, replaced or written since :func:`_gradient_versions` (by
+    identity and version counter: comparing tensors would compare their values)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, mark in zip(params, versions):
+        if mark is None:
+            if p.grad is not None:
+                return True
+        elif mark[0]() is not p.grad or mark[1] != p.grad._version:
+            return True
+    return len(params) != len(versions)
 
 
 def _multiply(grads: list[Tensor], factor: Tensor) -> None:
