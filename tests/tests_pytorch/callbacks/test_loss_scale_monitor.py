@@ -195,7 +195,8 @@ class ManualAccumulation(Model):
 def test_manual_accumulation_logs_once_per_optimizer_step():
     """As automatic accumulation does: after each batch that stepped, the scale that batch's update left."""
     net = mlp()
-    opt, scaler, scales, skipped = torch.optim.AdamW(net.parameters(), lr=1e-2), new_scaler(init_scale=LOW_INIT_SCALE), {}, 0
+    opt, scaler = torch.optim.AdamW(net.parameters(), lr=1e-2), new_scaler(init_scale=LOW_INIT_SCALE)
+    scales, skipped = {}, 0
     for i, (x, y) in enumerate(make_batches()):
         with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
             loss = inject_inf(mlp_loss(net, x, y), i, FORCED)

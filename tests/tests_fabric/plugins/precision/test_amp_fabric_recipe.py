@@ -20,7 +20,6 @@ pytorch_lightning wheel renamed; in this process: it is a separate package, so n
 the stock copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
 """
 
-import contextlib
 import gc
 import warnings
 from typing import Any, Callable

@@ -76,7 +76,8 @@ def test_clip_gradients_with_a_frozen_first_parameter(fused):
 @pytest.mark.parametrize("growth_interval", [1, 2000])
 def test_a_warm_up_that_steps_one_of_two_optimizers(growth_interval):
     """Two optimizers set up (encoder, head); the first iterations zero and step only the head while the encoder still
-    receives gradients (discarded by its ``zero_grad`` when the warm-up ends): torch's loop, ``scaler.update()`` once per iteration after the steps,
+    receives gradients (discarded by its ``zero_grad`` when the warm-up ends): torch's loop, ``scaler.update()`` once
+    per iteration after the steps,
     trains; so does the fork, and stock's weights where the scale does not move within an iteration (stock updates
     after each step, which unscales the encoder with a scale that did not scale it once both step)."""
 

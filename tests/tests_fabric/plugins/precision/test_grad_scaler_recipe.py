@@ -258,7 +258,8 @@ def _true_twin(nets: list, opts: list) -> tuple:
     """Copies of ``nets`` with plain SGD and no scaler: the true gradients (every loss here is fp32, so a power-of-two
     scale and its unscale are exact, and the true gradients are what a right recipe steps on, bitwise)."""
     twins = copy.deepcopy(nets)
-    return twins, [torch.optim.SGD(t.parameters(), lr=0.1, momentum=o.defaults["momentum"]) for t, o in zip(twins, opts)]
+    momenta = [opt.defaults["momentum"] for opt in opts]
+    return twins, [torch.optim.SGD(t.parameters(), lr=0.1, momentum=m) for t, m in zip(twins, momenta)]
 
 
 @pytest.mark.parametrize("b_state", ["scaled", "unscaled"])
@@ -1201,8 +1202,8 @@ def test_gradients_replaced_while_unscaled_are_compared_by_identity_not_by_value
 
 
 def test_the_records_go_with_their_optimizers():
-    """One record per optimizer, keyed weakly: a collected optimizer leaves nothing behind (no hook, no skip signal), and
-    a new optimizer that CPython gives the same ``id()`` starts afresh (k-fold with one Fabric)."""
+    """One record per optimizer, keyed weakly: a collected optimizer leaves nothing behind (no hook, no skip signal),
+    and a new optimizer that CPython gives the same ``id()`` starts afresh (k-fold with one Fabric)."""
     recipe = GradScalerRecipe(_scaler())
     seen = set()
     for fold in range(4):
@@ -1225,10 +1226,10 @@ def test_the_records_go_with_their_optimizers():
 
 class _Reference:
     """1-3 networks (one may be a sparse embedding) with SGD(momentum), twice: one side through the recipe, the other
-    through torch's ``GradScaler`` by hand, where this class places ``scaler.update()`` and the carry as the rule's table
-    says, from its own account of the events (never from the recipe's state). Where the recipe must refuse, it says
-    which error. After every event both sides must hold the same weights, gradients, skip signals and scaler state,
-    bitwise.
+    through torch's ``GradScaler`` by hand, where this class places ``scaler.update()`` and the carry as the rule's
+    table says, from its own account of the events (never from the recipe's state). Where the recipe must refuse, it
+    says which error. After every event both sides must hold the same weights, gradients, skip signals and scaler
+    state, bitwise.
 
     The account: ``owed`` (a scaler step since the last update), ``stepped`` (the optimizers that stepped in this cycle,
     plain steps too), ``backwards`` (scaled backwards so far) and, per optimizer, the backwards counted at its last step
@@ -1263,8 +1264,8 @@ class _Reference:
         self.twin_opts[i].zero_grad(set_to_none=set_to_none)
 
     def update(self) -> None:
-        """Torch's ``update()`` where the rule applies one (an inf check was recorded), carrying the gradients that wait:
-        of the optimizers that did not step in this cycle, x new/old where ``READY``, x new where ``UNSCALED``."""
+        """Torch's ``update()`` where the rule applies one (an inf check was recorded), carrying the gradients that
+        wait: of the optimizers that did not step in this cycle, x new/old where ``READY``, x new where ``UNSCALED``."""
         self.owed = False
         if self.recorded():
             waiting = [(i, self.stage(i)) for i in range(self.n) if i not in self.stepped and self.grads(i)]

@@ -108,7 +108,7 @@ def _automatic(api, net: nn.Module, configure: Callable):
 
 
 def _automatic_clip_recipe(net: nn.Module, opt: torch.optim.Optimizer) -> tuple:
-    """torch's recipe for :func:`_automatic` with ``gradient_clip_val=0.05``: the norms clipping saw, the final scale."""
+    """torch's recipe for :func:`_automatic` with ``gradient_clip_val=0.05``: what clipping saw, the final scale."""
     scaler, norms = new_scaler(), []
     for i, batch in enumerate(_batches()):
         opt.zero_grad()

@@ -187,9 +187,9 @@ class GradScalerRecipe:
                 raise _mixed_scales_error(optimizer)
 
     def unscale(self, optimizer: Optimizer, before_step: bool = False) -> None:
-        """Unscale ``optimizer``'s gradients unless they are true ones already. ``before_step``: the caller steps it next
-        (the Trainer, before ``on_before_optimizer_step``); else (clipping) an optimizer that unscales inside its own
-        ``step()`` raises, as it would unscale twice."""
+        """Unscale ``optimizer``'s gradients unless they are true ones already. ``before_step``: the caller steps it
+        next (the Trainer, before ``on_before_optimizer_step``); else (clipping) an optimizer that unscales inside its
+        own ``step()`` raises, as it would unscale twice."""
         if getattr(optimizer, "_step_supports_amp_scaling", False) and _takes_grad_scaler(type(optimizer).step):
             if not before_step:
                 raise _unscales_itself_error(optimizer)
@@ -240,7 +240,8 @@ class GradScalerRecipe:
                 if in_kernel and isinstance(optimizer, SGD):
                     _protect_fused_sgd_momentum(optimizer)
                 if not in_kernel and record.step_hook is None:  # says whether torch ran the step: no device read
-                    record.step_hook = optimizer.register_step_post_hook(functools.partial(_step_ran, weakref.ref(self)))
+                    hook = functools.partial(_step_ran, weakref.ref(self))
+                    record.step_hook = optimizer.register_step_post_hook(hook)
                 self._step_ran, owes = False, True
                 if holder is optimizer and not (in_kernel and self._torch.sharded):
                     try:

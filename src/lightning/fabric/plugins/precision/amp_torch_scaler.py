@@ -113,7 +113,7 @@ class _TorchScaler:
 
 #: ``with _autocast_off():`` runs a region with autocast off for every device and restores it on exit, nested or on an
 #: exception: torch's own guard (``torch._C._DisableAutocast``, what its AOT autograd uses), entered and left in C++, so
-#: the five regions of a manual optimization step (backward, clipping, the step) cost no Python call. An
+#: the five regions of a manual optimization step (backward, clipping, the step) cost no Python call. A
 #: ``torch.autocast`` inside it (a closure's forward) turns the device's autocast back on until it exits.
 _autocast_off = torch._C._DisableAutocast
 
