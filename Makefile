@@ -69,9 +69,9 @@ test-newest-torch:
 ## test-matrix: both ends of the torch matrix (the default torch is `make test`)
 test-matrix: test-oldest-torch test-newest-torch
 
-## mutation-check: take each mechanism of the fork out (tools/mutation_check.py) and check that a test fails
+## mutation-check: take each mechanism of the fork out (tests/mutation_check.py) and check that a test fails
 mutation-check: setup
-	$(PY) tools/mutation_check.py
+	$(PY) tests/mutation_check.py
 
 ## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic; its own lighter
 ##       setup: torch, the fork and stock 2.6.6 built from this checkout, matplotlib (no test or docs tools)

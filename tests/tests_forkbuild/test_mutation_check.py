@@ -1,4 +1,4 @@
-"""``make mutation-check`` (``tools/mutation_check.py``) stays in step with the code it mutates.
+"""``make mutation-check`` (``tests/mutation_check.py``) stays in step with the code it mutates.
 
 Running the mutations takes minutes (a maintainer's check, like ``make series-check SERIES_TESTS=all``); this test
 only checks, on every ``make test``, that each mutation's text occurs exactly once in the fork as installed, so a
@@ -8,14 +8,10 @@ change to a mechanism that leaves its mutation behind fails here instead of sile
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
+import mutation_check  # tests/mutation_check.py: tests/ is on pytest's pythonpath
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import mutation_check  # noqa: E402
 
 
 def test_every_mutation_applies_to_the_installed_fork() -> None:

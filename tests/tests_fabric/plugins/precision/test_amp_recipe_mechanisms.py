@@ -1,6 +1,6 @@
 """Mechanisms of ``GradScalerRecipe`` that no loop of the other tests tells apart, each against PyTorch's recipe written
 by hand with torch's ``GradScaler``: weights bitwise, and the scaler's state (``growth_interval=1``, so an update too
-many or too few shows in the scale). ``tools/mutation_check.py`` takes each mechanism out and needs a test here to fail.
+many or too few shows in the scale). ``tests/mutation_check.py`` takes each mechanism out and needs a test here to fail.
 """
 
 import contextlib

@@ -11,7 +11,7 @@ A mutation whose text no longer occurs exactly once is *stale* (the code moved o
 Example::
 
     make mutation-check                                  # every mutation (about 6 minutes on 2 cores)
-    .venv/bin/python tools/mutation_check.py --only fabric-watch --only carry-of-unscaled-gradients
+    .venv/bin/python tests/mutation_check.py --only fabric-watch --only carry-of-unscaled-gradients
 """
 
 from __future__ import annotations
@@ -976,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     package = installed_package()
     problems = stale(package, selected)
     if problems:
-        print("stale mutations (update tools/mutation_check.py):", *problems, sep="\n  ")
+        print("stale mutations (update tests/mutation_check.py):", *problems, sep="\n  ")
         return 1
     if not args.no_baseline:
         baseline(selected)
