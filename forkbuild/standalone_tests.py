@@ -5,9 +5,9 @@ The fork's second distribution ships the same code as ``pytorch_lightning`` / ``
 run against it the way upstream tests its standalone packages: a copy with the imports renamed (by
 :data:`forkbuild.rename.STANDALONE`, the rule that generates the packages themselves), run as a test suite of its own.
 
-The copy holds everything under the two folders except the tests that already compare both import names
-(:data:`EXCLUDED`), a ``pytest.ini`` with the repository's pytest options (``pythonpath`` pointing at the copy, so its
-helpers are the renamed ones), and a ``conftest.py`` that fails any test after which ``lightning`` was imported: a test
+The copy holds everything under the two folders and the oracle they import (``tests/amp_oracle``), except the tests
+that already compare both import names (:data:`EXCLUDED`); a ``pytest.ini`` with the repository's pytest options
+(``pythonpath`` pointing at the copy, so its helpers are the renamed ones), and a ``conftest.py`` that fails any test after which ``lightning`` was imported: a test
 the rename missed would otherwise pass against ``lightning`` and prove nothing about ``pytorch_lightning``.
 
 Example::
@@ -26,6 +26,8 @@ from forkbuild.rename import STANDALONE, Rename
 
 #: the test packages that run under both names
 SUITES = ("tests_pytorch", "tests_fabric")
+#: what they import besides themselves: the oracle they compare through (renamed too, so it drives the standalone names)
+SUPPORT = ("amp_oracle",)
 #: tests that import both names on purpose (they check one against the other); they run in the main suite only
 EXCLUDED = ("tests_pytorch/test_standalone_package.py", "tests_fabric/test_standalone_package.py")
 #: the standalone rule's packages only: its base-package rule (``from lightning import X``) is for the package files
@@ -68,7 +70,7 @@ def generate(tests: Path, out: Path, pyproject: Path) -> list[Path]:
     if out.exists():
         shutil.rmtree(out)
     written = []
-    for suite in SUITES:
+    for suite in SUITES + SUPPORT:
         for source in sorted((tests / suite).rglob("*")):
             relative = source.relative_to(tests).as_posix()
             if not source.is_file() or "__pycache__" in source.parts or relative in EXCLUDED:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import requires_cpu_grad_scaler
+from amp_oracle.torch_features import requires_cpu_grad_scaler
 
 # the demo builds a CPU gradient scaler for every run (disabled but for 16-mixed): torch >= 2.3
 pytestmark = requires_cpu_grad_scaler

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tests_fabric.helpers.torch_features import CPU_16_MIXED, requires_cpu_16_mixed
+from amp_oracle.torch_features import CPU_16_MIXED, requires_cpu_16_mixed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import doc_examples  # noqa: E402

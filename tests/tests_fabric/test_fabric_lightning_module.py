@@ -34,21 +34,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import MixedPrecision
-from tests_fabric.helpers.amp_fabric import (
-    PRECISIONS,
-    Cell,
-    Run,
-    assert_recipe_is_sharp,
-    assert_same_run,
-    make_fabric,
-    make_net,
-    make_optimizer,
-    recipe_run,
-)
-from tests_fabric.helpers.amp_world import (
+from amp_oracle.torch_features import autocast_enabled
+from amp_oracle.world import (
     BATCH_SIZE,
     CLIP_NORM,
     IN_FEATURES,
@@ -60,7 +47,20 @@ from tests_fabric.helpers.amp_world import (
     params_differ,
     uses_scaler,
 )
-from tests_fabric.helpers.torch_features import autocast_enabled
+from tests_fabric.helpers.amp_fabric import (
+    PRECISIONS,
+    Cell,
+    Run,
+    assert_recipe_is_sharp,
+    assert_same_run,
+    make_fabric,
+    make_net,
+    make_optimizer,
+    recipe_run,
+)
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 MODES = ("automatic", "manual")
 

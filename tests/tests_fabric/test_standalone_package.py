@@ -18,7 +18,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
+from amp_oracle.torch_features import GradScaler, cpu_grad_scaler
 
 FORK = ("lightning.fabric", "lightning_fabric")  # the fork, under both import names
 STOCK = "stock_lightning_fabric"  # the unpatched 2.6.6, renamed (forkbuild: --flavour stock-pytorch-lightning)
@@ -143,8 +143,9 @@ def test_fused_optimizer_clipping_16_mixed_stock_refuses() -> None:
 
 
 def test_the_import_names_are_the_fork() -> None:
-    import lightning
     import lightning_fabric
+
+    import lightning
 
     assert lightning_fabric.__version__ == lightning.__version__ != "2.6.6"
     assert importlib.util.find_spec("lightning_fabric.plugins.precision.amp_recipe") is not None

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler
+from amp_oracle.torch_features import GradScaler, cpu_grad_scaler
 
 FORK = ("lightning.pytorch", "pytorch_lightning")  # the fork, under both import names
 STOCK = "stock_pytorch_lightning"  # the unpatched 2.6.6, renamed (forkbuild: --flavour stock-pytorch-lightning)
@@ -162,8 +162,9 @@ def test_fused_optimizer_clipping_16_mixed_stock_refuses() -> None:
 
 def test_the_import_names_are_the_fork() -> None:
     """The fork under both names: the same version, and the fork's modules under ``pytorch_lightning`` too."""
-    import lightning
     import pytorch_lightning
+
+    import lightning
 
     assert pytorch_lightning.__version__ == lightning.__version__ != "2.6.6"
     assert importlib.util.find_spec("pytorch_lightning.plugins.precision.amp_recipe") is not None

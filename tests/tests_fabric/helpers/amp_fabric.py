@@ -37,9 +37,8 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from tests_fabric.helpers.amp_world import (
+from amp_oracle.torch_features import GradScaler, optimizer
+from amp_oracle.world import (
     CLIP_NORM,
     CLIP_VALUE,
     INF_BATCH,
@@ -55,8 +54,8 @@ from tests_fabric.helpers.amp_world import (
     snapshot,
     uses_scaler,
 )
-from tests_fabric.helpers.amp_world import make_batches as world_batches
-from tests_fabric.helpers.torch_features import GradScaler, optimizer
+from amp_oracle.world import make_batches as world_batches
+from torch import nn
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 OPTIMIZERS = ("AdamW", "Adam", "SGD-momentum")

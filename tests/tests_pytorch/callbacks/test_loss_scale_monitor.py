@@ -16,23 +16,24 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
+from amp_oracle.trainer import FORK, lightning_api, make_trainer, quiet_trainer
+from amp_oracle.world import (
+    AUTOCAST_CACHE,
+    LOW_INIT_SCALE,
+    TRAINER_BATCHES,
+    Positions,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    new_scaler,
+)
+from amp_oracle.world import trainer_batches as make_batches
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning.fabric import connector as fabric_connector
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tests_pytorch.helpers.amp_recipe import (
-    AUTOCAST_CACHE,
-    FORK,
-    TRAINER_BATCHES,
-    Positions,
-    lightning_api,
-    make_batches,
-    make_trainer,
-    quiet_trainer,
-)
 
 FORCED = (0, 3, 4)
 

@@ -51,11 +51,10 @@ from unittest import mock
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
-from tests_fabric.helpers.torch_features import optimizer
-
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, Positions, lightning_api, quiet_trainer
-from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
+from amp_oracle.torch_features import optimizer
+from amp_oracle.trainer import FORK, STOCK, lightning_api, quiet_trainer
+from amp_oracle.trainer import make_trainer as shared_make_trainer
+from amp_oracle.world import LOW_INIT_SCALE, Positions, inject_inf, mlp, mlp_loss, new_scaler
 
 BATCHES_PER_EPOCH = 4
 TOTAL = 10  # 2.5 epochs
@@ -502,8 +501,9 @@ def test_resume_across_stock_and_fork(saved_by, resumed_by, compat_runs):
 
 def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
     """The fork's ``LossScaleMonitor`` adds a callback state that stock does not know: stock warns and resumes."""
-    from lightning.pytorch.callbacks import LossScaleMonitor
     from lightning.pytorch.loggers import CSVLogger
+
+    from lightning.pytorch.callbacks import LossScaleMonitor
 
     fork = make_trainer(
         "lightning", COMPAT, max_steps=COMPAT_SAVE_AFTER, logger=CSVLogger(tmp_path), callbacks=[LossScaleMonitor()]

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.amp_world import (
+from amp_oracle.world import (
     CLIP_NORM,
     INF_BATCH,
     LOW_INIT_SCALE,
@@ -41,9 +41,8 @@ from tests_fabric.helpers.amp_world import (
     optimizer_params,
     snapshot,
 )
-from torch import nn
-
 from tests_pytorch.helpers.amp_fused import make_optimizer
+from torch import nn
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8

@@ -26,7 +26,11 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
-from tests_fabric.helpers.amp_world import (
+from amp_oracle.torch_features import optimizer
+from amp_oracle.trainer import FORK
+from amp_oracle.trainer import lightning_api as shared_lightning_api
+from amp_oracle.trainer import make_trainer as shared_make_trainer
+from amp_oracle.world import (
     CLIP_NORM,
     CLIP_VALUE,
     INIT_SCALE,
@@ -40,13 +44,8 @@ from tests_fabric.helpers.amp_world import (
     optimizer_params,
     uses_scaler,
 )
-from tests_fabric.helpers.amp_world import make_batches as world_batches
-from tests_fabric.helpers.torch_features import optimizer
+from amp_oracle.world import make_batches as world_batches
 from torch import nn
-
-from tests_pytorch.helpers.amp_recipe import FORK
-from tests_pytorch.helpers.amp_recipe import lightning_api as shared_lightning_api
-from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD-momentum", "SGD", "Adagrad")
 PRECISIONS = ("16-mixed", "bf16-mixed")

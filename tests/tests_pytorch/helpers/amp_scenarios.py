@@ -42,56 +42,54 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.amp_world import (
-    CLIP_NORM,
-    INF_BATCH,
-    INIT_SCALE,
-    OUT_FEATURES,
-    inject_inf,
-    mlp,
-    mlp_loss,
-    new_scaler,
-    optimizer_params,
-)
-from tests_fabric.helpers.torch_features import (
-    GradScaler,
-    cpu_grad_scaler,
-    cuda_grad_scaler,
-    optimizer,
-    require_cpu_fp16_autocast,
-)
-from torch import nn
-
-from tests_pytorch.helpers.amp_recipe import (
-    AUTOCAST_CACHE,
-    GAN,
-    MIXED_PRECISIONS,
-    PRECISIONS,
-    TRAINER_BATCHES,
-    Positions,
-    RecipeRun,
-    RunResult,
-    assert_same_run,
-    gan_optimizers,
-    lightning_api,
-    make_batches,
-    make_optimizer,
-    make_trainer,
+from amp_oracle.loops import (
     manual_clip,
     manual_closure,
     manual_gan,
     manual_gan_step,
     manual_multi_step,
     manual_two_optimizers,
-    one_optimizer,
     recipe_clip,
     recipe_gan,
     recipe_multi_step,
     recipe_plain,
     recipe_two_optimizers,
+)
+from amp_oracle.run import RecipeRun, Run, assert_same_run
+from amp_oracle.torch_features import (
+    GradScaler,
+    cpu_grad_scaler,
+    cuda_grad_scaler,
+    optimizer,
+    require_cpu_fp16_autocast,
+)
+from amp_oracle.trainer import lightning_api, make_trainer
+from amp_oracle.world import (
+    AUTOCAST_CACHE,
+    CLIP_NORM,
+    GAN,
+    INF_BATCH,
+    INIT_SCALE,
+    MIXED_PRECISIONS,
+    OUT_FEATURES,
+    PRECISIONS,
+    TRAINER_BATCHES,
+    Positions,
+    gan_optimizers,
+    inject_inf,
+    make_optimizer,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    one_optimizer,
+    optimizer_params,
     trainable,
     two_optimizers,
 )
+from amp_oracle.world import (
+    trainer_batches as make_batches,
+)
+from torch import nn
 
 P16 = ("16-mixed",)
 BF16 = ("bf16-mixed",)
@@ -191,8 +189,8 @@ class Scenario:
     resume: Optional[Resume] = None
     #: compare what both sides recorded (off where only one side records, e.g. the recipe's clip sizes)
     records: bool = True
-    #: a check that the recipe run exercised what the scenario is about (``RunResult -> bool``)
-    sharp: Optional[Callable[[RunResult], bool]] = None
+    #: a check that the recipe run exercised what the scenario is about (``Run -> bool``)
+    sharp: Optional[Callable[[Run], bool]] = None
     #: the fork's opt-in misuse watch (``MixedPrecision(..., watch_misuse=True)``); stock has none
     watch_misuse: bool = False
 
@@ -232,7 +230,7 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     return diff / size if math.isfinite(diff) else math.inf
 
 
-def assert_follows(actual: RunResult, expected: RunResult, records: bool = True) -> None:
+def assert_follows(actual: Run, expected: Run, records: bool = True) -> None:
     """``actual`` is the recipe's run: scale trajectory, skipped steps, parameters bitwise, and what both recorded."""
     try:
         assert_same_run(actual, expected)
@@ -249,7 +247,7 @@ def assert_follows(actual: RunResult, expected: RunResult, records: bool = True)
 
 @dataclass
 class Outcome:
-    run: Optional[RunResult] = None
+    run: Optional[Run] = None
     error: Optional[BaseException] = None
     #: the weights and optimizer states at the error were those of the last mark
     unchanged: Optional[bool] = None
@@ -301,7 +299,7 @@ class ScenarioRecipe(RecipeRun):
 
 
 @functools.cache
-def recipe_outcome(name: str, precision: str) -> RunResult:
+def recipe_outcome(name: str, precision: str) -> Run:
     scenario = SCENARIOS[name]
     if scenario.resume is None:
         rc = ScenarioRecipe(scenario.net(), precision, scenario)
@@ -450,7 +448,7 @@ def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
         unchanged = module.unchanged_since_mark() if module._trainer is not None else None
         return Outcome(error=err, unchanged=unchanged, steps=module.steps)
     return Outcome(
-        run=RunResult(
+        run=Run(
             params={n: p.detach().clone() for n, p in module.net.named_parameters()},
             scales=None if all(s is None for s in recorder.scales) else recorder.scales,
             changed=recorder.changed,
@@ -1005,7 +1003,7 @@ def accumulate_clip_step(self, batch, batch_idx):
         opt.zero_grad()
 
 
-def _clips(result: RunResult) -> bool:
+def _clips(result: Run) -> bool:
     """Clipping by norm really clipped: a finite pre-clip norm above the limit was recorded."""
     norms = [norm for kind, norm in result.records if kind == "norm"]
     return any(math.isfinite(norm) and norm > CLIP_NORM for norm in norms)
@@ -1201,12 +1199,12 @@ _two_sgd = functools.partial(two_optimizers, name="SGD")
 _adamw = functools.partial(one_optimizer, name="AdamW")
 
 
-def _recorded_some(result: RunResult) -> bool:
+def _recorded_some(result: Run) -> bool:
     """Some batch really did it (PCGrad projected, the clamp clamped)."""
     return any(result.records)
 
 
-def _skips_some_steps(result: RunResult) -> bool:
+def _skips_some_steps(result: Run) -> bool:
     """The guard skipped some steps and took others."""
     return any(result.records) and not all(result.records)
 
@@ -1215,7 +1213,7 @@ def _skips_some_steps(result: RunResult) -> bool:
 _NAMES_THE_CACHE_SWITCH = Raises((RuntimeError,), r"(?s)^mat1 and mat2 must have the same dtype.*cache_enabled=False")
 
 
-def _lr_held_on_the_skipped_step(result: RunResult) -> bool:
+def _lr_held_on_the_skipped_step(result: Run) -> bool:
     lrs = result.records
     return lrs[INF_BATCH] == lrs[INF_BATCH - 1] and lrs[INF_BATCH + 1] != lrs[INF_BATCH]
 

@@ -30,11 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import CLIP_NORM, LOW_INIT_SCALE
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
-
+from amp_oracle.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.trainer import FORK, NO_STOCK, STOCK, stock_is_unpatched
+from amp_oracle.world import CLIP_NORM, LOW_INIT_SCALE
 from tests_pytorch.helpers.amp_ddp import CASES, STOCK_CASES, Case, Result, recipe_run
-from tests_pytorch.helpers.amp_recipe import FORK, NO_STOCK, STOCK, stock_is_unpatched
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_amp_recipe.py"
 #: the script takes ~15 s on 2 cores (process start-up dominates); this is the limit for a stuck collective

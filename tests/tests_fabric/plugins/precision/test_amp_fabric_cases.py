@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
+from amp_oracle.torch_features import requires_cpu_16_mixed
+from amp_oracle.world import new_scaler
 from tests_fabric.helpers.amp_fabric import make_fabric
-from tests_fabric.helpers.amp_world import new_scaler
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
+from torch import nn
 
 pytestmark = requires_cpu_16_mixed
 

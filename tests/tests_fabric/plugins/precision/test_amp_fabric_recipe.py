@@ -27,7 +27,17 @@ from unittest import mock
 
 import pytest
 import torch
-
+from amp_oracle.torch_features import OptState, cpu_grad_scaler
+from amp_oracle.world import (
+    CLIP_NORM,
+    INF_BATCH,
+    INIT_SCALE,
+    N_BATCHES,
+    inject_inf,
+    new_scaler,
+    params_differ,
+    uses_scaler,
+)
 from tests_fabric.helpers.amp_fabric import (
     CLIPS,
     OPTIMIZERS,
@@ -46,17 +56,6 @@ from tests_fabric.helpers.amp_fabric import (
     make_optimizer,
     recipe_run,
 )
-from tests_fabric.helpers.amp_world import (
-    CLIP_NORM,
-    INF_BATCH,
-    INIT_SCALE,
-    N_BATCHES,
-    inject_inf,
-    new_scaler,
-    params_differ,
-    uses_scaler,
-)
-from tests_fabric.helpers.torch_features import OptState, cpu_grad_scaler
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,10 @@ import gc
 
 import pytest
 import torch
-from torch import nn
-
+from amp_oracle.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.world import ThroughScaler, new_scaler
 from tests_fabric.helpers.amp_fabric import make_fabric
-from tests_fabric.helpers.amp_world import ThroughScaler, new_scaler
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+from torch import nn
 
 pytestmark = requires_cpu_16_mixed
 

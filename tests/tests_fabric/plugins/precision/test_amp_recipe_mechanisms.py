@@ -7,11 +7,11 @@ import contextlib
 import copy
 
 import torch
+from amp_oracle.torch_features import GradScaler, cpu_grad_scaler, requires_cpu_grad_scaler
 from torch import nn
 
 from lightning.fabric.plugins.precision.amp_misuse_watch import _WatchedRecipe
 from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, requires_cpu_grad_scaler
 
 pytestmark = requires_cpu_grad_scaler
 

@@ -4,11 +4,11 @@ import pickle
 
 import pytest
 import torch
+from amp_oracle.torch_features import cpu_grad_scaler
 
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision as TrainerMixedPrecision
-from tests_fabric.helpers.torch_features import cpu_grad_scaler
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])

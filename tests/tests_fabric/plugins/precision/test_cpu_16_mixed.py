@@ -11,14 +11,14 @@ import warnings
 
 import pytest
 import torch
+from amp_oracle.torch_features import GradScaler, requires_cpu_16_mixed
+from amp_oracle.world import N_BATCHES
+from tests_fabric.helpers import amp_fabric
+from tests_fabric.helpers.amp_fabric import Cell, FabricLoop, assert_same_run, recipe_run
 
 from lightning.fabric import Fabric
 from lightning.fabric import connector as fabric_connector
 from lightning.fabric.plugins.precision import MixedPrecision
-from tests_fabric.helpers import amp_fabric
-from tests_fabric.helpers.amp_fabric import Cell, FabricLoop, assert_same_run, recipe_run
-from tests_fabric.helpers.amp_world import N_BATCHES
-from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
 
 SLOW_CPU_INFO = "float16 matrix multiplications are slow on most CPUs: `precision='bf16-mixed'` is usually faster"
 

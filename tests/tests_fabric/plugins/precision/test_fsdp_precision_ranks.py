@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from amp_oracle.torch_features import requires_cpu_grad_scaler
 from torch import nn
-
-from tests_fabric.helpers.torch_features import requires_cpu_grad_scaler
 
 pytestmark = requires_cpu_grad_scaler
 class _Wrapper:  # what `fabric.setup` wraps an optimizer in, as far as the plugin sees it
@@ -33,9 +32,8 @@ X, Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), torch.rand
 
 def _rank(rank: int, port: int, out: str, clipped: int) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
     from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     url = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=url, timeout=timedelta(seconds=30))

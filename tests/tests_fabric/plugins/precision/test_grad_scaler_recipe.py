@@ -17,12 +17,7 @@ from typing import Optional
 
 import pytest
 import torch
-from torch import nn
-
-from lightning.fabric.plugins.precision.amp_misuse_watch import WATCHED_UPDATES, _WatchedRecipe
-from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe
-from lightning.fabric.plugins.precision.amp_torch_scaler import _check_scaler_is_enabled
-from tests_fabric.helpers.torch_features import (
+from amp_oracle.torch_features import (
     GradScaler,
     OptState,
     cpu_grad_scaler,
@@ -30,6 +25,11 @@ from tests_fabric.helpers.torch_features import (
     requires_cpu_fused,
     requires_cpu_grad_scaler,
 )
+from torch import nn
+
+from lightning.fabric.plugins.precision.amp_misuse_watch import WATCHED_UPDATES, _WatchedRecipe
+from lightning.fabric.plugins.precision.amp_recipe import GradScalerRecipe
+from lightning.fabric.plugins.precision.amp_torch_scaler import _check_scaler_is_enabled
 
 pytestmark = requires_cpu_grad_scaler
 

@@ -25,11 +25,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_off
-from tests_fabric.helpers.amp_world import INIT_SCALE, new_scaler
-from tests_fabric.helpers.torch_features import (
+from amp_oracle.torch_features import (
     AUTOCAST_CACHE_IS_SAFE,
     AUTOCAST_ENABLED_TAKES_DEVICE,
     CPU_FUSED,
@@ -40,6 +36,10 @@ from tests_fabric.helpers.torch_features import (
     requires_cpu_fused,
     requires_cpu_grad_scaler,
 )
+from amp_oracle.world import INIT_SCALE, new_scaler
+from torch import nn
+
+from lightning.fabric.plugins.precision.amp_torch_scaler import _autocast_off
 
 #: devices a working (enabled) gradient scaler can run on with this torch
 SCALER_DEVICES = [

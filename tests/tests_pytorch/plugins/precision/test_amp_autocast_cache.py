@@ -11,12 +11,12 @@
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import requires_cpu_fp16_autocast
+from amp_oracle.torch_features import requires_cpu_fp16_autocast
+from lightning.pytorch.plugins.precision.amp import _AUTOCAST_CACHE_IS_SAFE, _is_autocast_cache_dtype_mismatch
 from torch import nn
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.plugins.precision.amp import _AUTOCAST_CACHE_IS_SAFE, _is_autocast_cache_dtype_mismatch
 
 needs_safe_cache = pytest.mark.skipif(
     not _AUTOCAST_CACHE_IS_SAFE, reason="autocast's cache is refused before torch 2.11"

@@ -24,9 +24,8 @@ import math
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import uses_scaler
-
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, quiet_trainer, stock_is_unpatched
+from amp_oracle.trainer import FORK, STOCK, quiet_trainer, stock_is_unpatched
+from amp_oracle.world import uses_scaler
 from tests_pytorch.helpers.amp_scenarios import (
     CELLS,
     EQUAL,

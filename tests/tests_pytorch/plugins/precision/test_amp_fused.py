@@ -11,9 +11,9 @@ The matrix trains a tiny MLP through the Trainer and through a hand-written PyTo
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import CLIP_NORM, CLIP_VALUE, INIT_SCALE, inf_batch, optimizer_params
-from tests_fabric.helpers.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
-
+from amp_oracle.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.trainer import STOCK, quiet_trainer
+from amp_oracle.world import CLIP_NORM, CLIP_VALUE, INIT_SCALE, inf_batch, optimizer_params
 from tests_pytorch.helpers.amp_fused import (
     BITWISE,
     CLIPS,
@@ -35,7 +35,6 @@ from tests_pytorch.helpers.amp_fused import (
     scale_exponents,
     uninitialised_memory_is_nan,
 )
-from tests_pytorch.helpers.amp_recipe import STOCK, quiet_trainer
 
 
 @pytest.fixture(autouse=True)

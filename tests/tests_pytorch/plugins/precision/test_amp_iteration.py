@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import cpu_grad_scaler
+from amp_oracle.torch_features import cpu_grad_scaler
 from torch import nn
 
 from lightning.pytorch import Callback, LightningModule, Trainer

@@ -3,7 +3,7 @@
 Each cell ``mode:case:precision:optimizer`` of the matrix trains the same tiny model on the same batches through the
 Trainer and through a hand-written PyTorch AMP loop and requires the two runs to be identical: every parameter bitwise
 (no tolerance anywhere), the loss-scale trajectory, and which batches left the parameters untouched (skipped steps).
-See ``tests_pytorch/helpers/amp_recipe.py`` for the machinery and why bitwise equality is the right bar.
+See ``amp_oracle`` (``tests/amp_oracle``) for the machinery and why bitwise equality is the right bar.
 
 Besides the matrix (``test_matches_the_pytorch_amp_recipe``):
 
@@ -27,46 +27,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_fabric.helpers.amp_world import (
-    CLIP_NORM,
-    CLIP_VALUE,
-    autocast_dtype,
-    inject_inf,
-    mlp,
-    mlp_loss,
-    new_scaler,
-    optimizer_params,
-)
-from tests_fabric.helpers.torch_features import (
-    GradScaler,
-    autocast_enabled,
-    require_cpu_fp16_autocast,
-    requires_cpu_fp16_autocast,
-)
-from torch import nn
-
-from tests_pytorch.helpers.amp_recipe import (
-    AUTOCAST_CACHE,
-    FORK,
-    GAN,
-    MIXED_PRECISIONS,
-    OPTIMIZERS,
-    PRECISIONS,
-    STOCK,
-    TRAINER_BATCHES,
-    NestedAutocastNet,
-    RecipeRun,
-    RunResult,
-    TeacherStudent,
-    assert_recipe_is_sharp,
-    assert_same_run,
+from amp_oracle.loops import (
     auto_plain,
-    fit_lightning,
-    fresh_autocast_forward,
-    gan_optimizers,
-    lightning_api,
-    make_batches,
-    make_optimizer,
     manual_accumulate,
     manual_clip,
     manual_closure,
@@ -74,16 +36,48 @@ from tests_pytorch.helpers.amp_recipe import (
     manual_multi_step,
     manual_plain,
     manual_two_optimizers,
-    one_optimizer,
     recipe_accumulate,
     recipe_clip,
     recipe_gan,
     recipe_multi_step,
     recipe_plain,
     recipe_two_optimizers,
-    stock_is_unpatched,
+)
+from amp_oracle.run import RecipeRun, Run, assert_recipe_is_sharp, assert_same_run
+from amp_oracle.torch_features import (
+    GradScaler,
+    autocast_enabled,
+    require_cpu_fp16_autocast,
+    requires_cpu_fp16_autocast,
+)
+from amp_oracle.trainer import FORK, STOCK, fit_lightning, lightning_api, stock_is_unpatched
+from amp_oracle.world import (
+    AUTOCAST_CACHE,
+    CLIP_NORM,
+    CLIP_VALUE,
+    GAN,
+    MIXED_PRECISIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    TRAINER_BATCHES,
+    NestedAutocastNet,
+    TeacherStudent,
+    autocast_dtype,
+    fresh_autocast_forward,
+    gan_optimizers,
+    inject_inf,
+    make_optimizer,
+    mlp,
+    mlp_loss,
+    new_scaler,
+    one_optimizer,
+    optimizer_params,
     two_optimizers,
 )
+from amp_oracle.world import (
+    trainer_batches as make_batches,
+)
+from torch import nn
 
 # --------------------------------------------------------------------------------------------------------------------
 # networks and optimizers per case
@@ -101,7 +95,7 @@ def _nested_net(precision: str) -> nn.Module:
     return NestedAutocastNet(outer, other)
 
 
-def _assert_clipping_happened(rc: RunResult, precision: str) -> None:
+def _assert_clipping_happened(rc: Run, precision: str) -> None:
     for kind, limit in (("norm", CLIP_NORM), ("value", CLIP_VALUE)):
         sizes = [size for k, size in rc.records if k == kind]
         assert not sizes or any(math.isfinite(s) and s > limit for s in sizes), f"{kind} never clipped: {sizes}"

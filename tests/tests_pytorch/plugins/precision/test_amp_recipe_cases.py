@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import new_scaler
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
+from amp_oracle.torch_features import requires_cpu_16_mixed
+from amp_oracle.trainer import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
+from amp_oracle.world import new_scaler
 from torch import nn
 
 from lightning.pytorch import Callback, LightningModule
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
 
 pytestmark = requires_cpu_16_mixed
 
@@ -227,7 +227,7 @@ class TwoNetworksEachClippedAfterItsBackward:
 
 @pytest.mark.parametrize("module", [AutomaticFusedWithStepScheduler, TwoNetworksEachClippedAfterItsBackward])
 def test_host_reads_per_step_are_stocks_but_the_documented_ones(module, monkeypatch):
-    from tests_fabric.helpers.torch_features import requires_cpu_fused
+    from amp_oracle.torch_features import requires_cpu_fused
 
     if module is AutomaticFusedWithStepScheduler and requires_cpu_fused("AdamW").args[0]:
         pytest.skip("no fused CPU AdamW in this torch")

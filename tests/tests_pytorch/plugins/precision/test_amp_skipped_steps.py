@@ -27,20 +27,21 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import LOW_INIT_SCALE, inject_inf, mlp, mlp_loss, new_scaler
-from tests_fabric.helpers.torch_features import optimizer
-from torch.optim.lr_scheduler import LambdaLR, StepLR
-
-from tests_pytorch.helpers.amp_recipe import (
+from amp_oracle.torch_features import optimizer
+from amp_oracle.trainer import STOCK, lightning_api, quiet_trainer
+from amp_oracle.trainer import make_trainer as shared_make_trainer
+from amp_oracle.world import (
     AUTOCAST_CACHE,
-    STOCK,
+    LOW_INIT_SCALE,
     TRAINER_BATCHES,
     Batches,
-    lightning_api,
-    make_batches,
-    quiet_trainer,
+    inject_inf,
+    mlp,
+    mlp_loss,
+    new_scaler,
 )
-from tests_pytorch.helpers.amp_recipe import make_trainer as shared_make_trainer
+from amp_oracle.world import trainer_batches as make_batches
+from torch.optim.lr_scheduler import LambdaLR, StepLR
 
 #: batches whose loss is multiplied by ``inf``: the very first step (normal at the start of fp16 training, and the case
 #: where PyTorch warns about a scheduler stepped before its optimizer) and two in a row

@@ -11,11 +11,10 @@ from typing import Callable
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import ThroughScaler, new_scaler
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.torch_features import requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.trainer import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
+from amp_oracle.world import ThroughScaler, new_scaler
 from torch import nn
-
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api, make_trainer, quiet_trainer
 
 pytestmark = requires_cpu_16_mixed
 

@@ -10,13 +10,13 @@ import pickle
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import GradScaler, requires_cpu_16_mixed
+from amp_oracle.torch_features import GradScaler, requires_cpu_16_mixed
+from amp_oracle.trainer import FORK, lightning_api, make_trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from tests_pytorch.helpers.amp_recipe import FORK, lightning_api, make_trainer
 
 # `precision="16-mixed"` gets a CPU scaler from Lightning from torch 2.3
 pytestmark = requires_cpu_16_mixed

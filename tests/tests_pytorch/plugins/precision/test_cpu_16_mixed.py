@@ -5,7 +5,7 @@ made untrue. The fork (patch cpu-16-mixed-is-float16, fork-only) gives the flag 
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]`` gives, with one info line that
 float16 is slow on most CPUs, and keeps the fallback, with a warning naming what is missing, on torch < 2.3.
 
-The reference is the hand-written PyTorch AMP recipe of ``tests_pytorch/helpers/amp_recipe.py`` with the flag's
+The reference is the hand-written PyTorch AMP recipe of ``amp_oracle`` (``tests/amp_oracle``) with the flag's
 scaler (torch's defaults: ``init_scale=2**16``, ``growth_interval=2000``): parameters, scale trajectory and skipped
 steps must be equal bitwise.
 """
@@ -17,26 +17,13 @@ import warnings
 
 import pytest
 import torch
-from tests_fabric.helpers.amp_world import mlp
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed
+from amp_oracle.loops import auto_plain, manual_plain, recipe_plain
+from amp_oracle.run import RecipeRun, Run, assert_same_run
+from amp_oracle.torch_features import requires_cpu_16_mixed
+from amp_oracle.trainer import FORK, lightning_api, make_trainer, quiet_trainer
+from amp_oracle.world import AUTOCAST_CACHE, TRAINER_BATCHES, Batches, mlp, one_optimizer
 
 from lightning.fabric import connector as fabric_connector
-from tests_pytorch.helpers.amp_recipe import (
-    AUTOCAST_CACHE,
-    FORK,
-    TRAINER_BATCHES,
-    Batches,
-    RecipeRun,
-    RunResult,
-    assert_same_run,
-    auto_plain,
-    lightning_api,
-    make_trainer,
-    manual_plain,
-    one_optimizer,
-    quiet_trainer,
-    recipe_plain,
-)
 
 SLOW_CPU_INFO = "float16 matrix multiplications are slow on most CPUs: `precision='bf16-mixed'` is usually faster"
 
@@ -88,7 +75,7 @@ def test_the_flag_trains_as_the_recipe(mode):
     recorder = api.Recorder()
     cpu_16_mixed_trainer(callbacks=[recorder]).fit(module, train_dataloaders=Batches())
     assert len(recorder.changed) == TRAINER_BATCHES
-    actual = RunResult(
+    actual = Run(
         params={name: p.detach().clone() for name, p in module.net.named_parameters()},
         scales=recorder.scales,
         changed=recorder.changed,

@@ -15,14 +15,14 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from tests_fabric.helpers.amp_world import CLIP_VALUE, INF_BATCH, INIT_SCALE, N_BATCHES, inject_inf, new_scaler
-from tests_fabric.helpers.torch_features import (
+from amp_oracle.torch_features import (
     GradScaler,
     optimizer,
     requires_cpu_16_mixed,
     requires_cpu_fused,
     requires_cpu_sharded_grad_scaler,
 )
+from amp_oracle.world import CLIP_VALUE, INF_BATCH, INIT_SCALE, N_BATCHES, inject_inf, new_scaler
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -186,8 +186,9 @@ def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
 def test_loss_scale_monitor_with_fsdp_precision():
     """``LossScaleMonitor`` reads ``FSDPPrecision``'s scaler (stock's monitor knew only ``MixedPrecision``): it logs the
     scale each batch ends with, and the one skipped step of the inf batch."""
-    from lightning.pytorch.callbacks import LossScaleMonitor
     from tests_pytorch.callbacks.test_loss_scale_monitor import CaptureLogger
+
+    from lightning.pytorch.callbacks import LossScaleMonitor
 
     record, logger = RecordScale(), CaptureLogger()
     _fit(TwoOptimizersOneBackward(fused=False), record, LossScaleMonitor(log_every_n_steps=1), logger=logger)

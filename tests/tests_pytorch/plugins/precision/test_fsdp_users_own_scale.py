@@ -5,10 +5,7 @@ the user's ``ShardedGradScaler`` is left as it is. On a CPU, through a one-proce
 
 import pytest
 import torch
-from tests_fabric.helpers.torch_features import requires_cpu_16_mixed, requires_cpu_sharded_grad_scaler
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-from lightning.pytorch.plugins.precision import FSDPPrecision
+from amp_oracle.torch_features import requires_cpu_16_mixed, requires_cpu_sharded_grad_scaler
 from tests_pytorch.plugins.precision.test_fsdp_amp_recipe import (
     RecordScale,
     TwoOptimizersOneBackward,
@@ -16,6 +13,9 @@ from tests_pytorch.plugins.precision.test_fsdp_amp_recipe import (
     _recipe,
     one_process_group,  # noqa: F401 (the autouse fixture)
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from lightning.pytorch.plugins.precision import FSDPPrecision
 
 
 class HandWrittenBackward(TwoOptimizersOneBackward):

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 # tests/ on sys.path, for the shared helper (this file is tests/tests_pytorch/strategies/scripts/...)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests_fabric.helpers.amp_world import CLIP_NORM, LOW_INIT_SCALE, new_scaler
-
+from amp_oracle.trainer import FORK, STOCK, lightning_api
+from amp_oracle.world import CLIP_NORM, LOW_INIT_SCALE, new_scaler
 from tests_pytorch.helpers.amp_ddp import CASES, STOCK_CASES, Case, RankBatches, make_net, make_optimizers
-from tests_pytorch.helpers.amp_recipe import FORK, STOCK, lightning_api
 
 
 def api(package: str):

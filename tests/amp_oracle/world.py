@@ -17,21 +17,24 @@ Design choices that make bugs unable to hide:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 from collections.abc import Collection
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 from torch import nn
 
-from tests_fabric.helpers.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler
+from amp_oracle.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler
 
 #: the MLP: ``IN_FEATURES -> HIDDEN -> OUT_FEATURES``, fp32 parameters
 IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
 #: samples per batch
 BATCH_SIZE = 4
-#: batches of a run (the Trainer suite's epoch is longer: ``tests_pytorch.helpers.amp_recipe.TRAINER_BATCHES``)
+#: batches of a run (a Trainer run's epoch is longer: :data:`TRAINER_BATCHES`)
 N_BATCHES = 6
 
 #: initial loss scale: a power of two, small enough that the MLP never overflows fp16 by itself in a run
@@ -173,3 +176,171 @@ class ThroughScaler:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the Trainer suite's cases: more batches, more networks, the optimizers
+# --------------------------------------------------------------------------------------------------------------------
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")
+OPTIMIZERS = ("SGD", "AdamW")
+
+#: the batches of a Trainer run (one epoch): two more than the Fabric suite's :data:`N_BATCHES`, for the cases with a
+#: second inf (:data:`LATE_INF_BATCH`) and an accumulation over pairs of batches
+TRAINER_BATCHES = 8
+#: a second batch with an inf, for cases with several losses per batch: there the inf goes into a later loss
+LATE_INF_BATCH = 5
+
+#: Whether the recipe's autocast regions cache weight casts. PyTorch's default is on, and the fork turns the cache on
+#: where torch makes it safe (torch >= 2.11, pytorch#165068), off below. The setting is not numerically neutral: a
+#: weight used twice in one autocast region (the discriminator applied to real and fake samples) is cast once with the
+#: cache and its two low-precision gradients are summed before the cast back to fp32, but cast twice without it and
+#: the two gradients are summed in fp32. The recipe follows the fork's policy so that both sides round alike.
+AUTOCAST_CACHE = Version(torch.__version__).release >= (2, 11)
+
+
+def late_inf_batch(precision: str) -> Optional[int]:
+    return LATE_INF_BATCH if uses_scaler(precision) else None
+
+
+#: what the Trainer says about these tiny CPU runs (no workers, few batches, non-resumable loaders, checkpoints
+
+
+
+
+def trainer_batches(n_batches: int = TRAINER_BATCHES, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The shared batches (:func:`make_batches`), a Trainer run of them by default; ``y`` doubles as the generator's
+    noise in the GAN."""
+    return make_batches(n_batches, **kwargs)
+
+
+class Positions:
+    """A loader that yields only each batch's position in the epoch (``tensor([i])``); the data come from a function
+    of ``batch_idx``, so that a run resumed mid-epoch (Lightning restarts a non-resumable loader while ``batch_idx``
+    continues) trains on the batches the uninterrupted run trains on."""
+
+    def __init__(self, n: int = TRAINER_BATCHES) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.tensor([i]) for i in range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Batches:
+    """The fixed batches as a plain iterable (a ``list`` would be taken by the Trainer as a list of dataloaders)."""
+
+    def __iter__(self):
+        return iter(trainer_batches())
+
+    def __len__(self) -> int:
+        return TRAINER_BATCHES
+
+
+class GAN(nn.Module):
+    """A generator (noise [4] -> sample [8]) and a discriminator (sample [8] -> logit [1])."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.gen = nn.Sequential(nn.Linear(OUT_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, IN_FEATURES))
+        self.disc = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+
+class TeacherStudent(nn.Module):
+    """A student and its EMA teacher; the teacher's parameters never require grad."""
+
+    EMA_WEIGHT = 0.25
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.student = mlp(seed)
+        self.teacher = mlp(seed + 1)
+        self.teacher.requires_grad_(False)
+
+    @torch.no_grad()
+    def update_teacher(self) -> None:
+        for t, s in zip(self.teacher.parameters(), self.student.parameters()):
+            t.lerp_(s, self.EMA_WEIGHT)
+
+
+class NestedAutocastNet(nn.Module):
+    """A network whose forward opens its own autocast regions inside the surrounding one.
+
+    * ``same``: an autocast region with the surrounding dtype (as in the seed report's ``training_step``);
+    * ``island``: an ``enabled=False`` region computing a sub-block in fp32;
+    * ``other``: a region with a different dtype, for a sub-block that uses only its own weights.
+
+    """
+
+    def __init__(self, outer: torch.dtype, other: torch.dtype, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.outer, self.other = outer, other
+        self.inp = nn.Linear(IN_FEATURES, HIDDEN)
+        self.same = nn.Linear(HIDDEN, HIDDEN)
+        self.island = nn.Linear(HIDDEN, HIDDEN)
+        self.foreign = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, OUT_FEATURES)
+        self.seen_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.inp(x))
+        with torch.autocast("cpu", dtype=self.outer):
+            h = F.relu(self.same(h))
+        with torch.autocast("cpu", enabled=False):
+            h = F.relu(self.island(h.float()))
+            island_dtype = h.dtype
+        with torch.autocast("cpu", dtype=self.other):
+            h = F.relu(self.foreign(h))
+            foreign_dtype = h.dtype
+        self.seen_dtypes = [island_dtype, foreign_dtype]
+        return self.out(h)
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "AdamW":
+        return torch.optim.AdamW(params, lr=1e-2)
+    raise ValueError(name)
+
+
+def trainable(net: nn.Module) -> list[torch.Tensor]:
+    return [p for p in net.parameters() if p.requires_grad]
+
+
+
+
+def one_optimizer(net: nn.Module, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, trainable(net))]
+
+
+def two_optimizers(net: nn.Sequential, name: str) -> list[torch.optim.Optimizer]:
+    # first layer and last layer, fed by one loss and one backward
+    return [make_optimizer(name, net[0].parameters()), make_optimizer(name, net[2].parameters())]
+
+
+def gan_optimizers(net: GAN, name: str) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, net.disc.parameters()), make_optimizer(name, net.gen.parameters())]
+
+
+def chunks(x: torch.Tensor, y: torch.Tensor, n: int):
+    size = len(x) // n
+    return [(x[k * size : (k + 1) * size], y[k * size : (k + 1) * size]) for k in range(n)]
+
+
+def fresh_autocast_forward(net: nn.Sequential, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``mlp``'s forward from detached copies of its current weights under a new autocast region: copies do not
+    require grad, so autocast never serves them from its weight cache."""
+    w0, b0, w1, b1 = (p.detach().clone() for p in (net[0].weight, net[0].bias, net[2].weight, net[2].bias))
+    ctx = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+    with ctx:
+        return F.linear(F.relu(F.linear(x, w0, b0)), w1, b1)
+
+
+def clone_net(net: nn.Module) -> nn.Module:
+    return copy.deepcopy(net)

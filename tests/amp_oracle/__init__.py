@@ -1,0 +1,13 @@
+"""The oracle: every "Lightning equals PyTorch's AMP recipe" comparison of the repository goes through this package.
+
+A check trains the same tiny model on the same data twice, once through Lightning and once through PyTorch's AMP
+recipe written by hand, and compares the two :class:`~amp_oracle.run.Run` s bit for bit.
+
+* :mod:`amp_oracle.world`: what both sides share (sizes, loss scales, clip values, the scaler, the batches, the nets,
+  the optimizers, the ``inf`` injection); :mod:`amp_oracle.torch_features`: what the installed torch can do;
+* :mod:`amp_oracle.run`: the result type, the one comparison, and the recipe's side (:class:`~amp_oracle.run.RecipeRun`);
+* :mod:`amp_oracle.loops`: the recipe loops and the matching ``training_step`` bodies;
+* the drivers, each returning a ``Run``: :mod:`amp_oracle.trainer` (the Trainer, on the CPU or a device),
+  :mod:`amp_oracle.fabric`, :mod:`amp_oracle.ddp`;
+* :mod:`amp_oracle.scenarios`: the scenario table (a user's loop, its recipe, and what each package must do).
+"""
