@@ -22,7 +22,6 @@ from torch import nn
 from amp_oracle.world import (
     AUTOCAST_CACHE,
     INIT_SCALE,
-    TRAINER_BATCHES,
     autocast_dtype,
     changed_since,
     inf_batch,
@@ -30,6 +29,7 @@ from amp_oracle.world import (
     late_inf_batch,
     named_params,
     new_scaler,
+    optimizer_params,
     snapshot,
     trainable,
     trainer_batches,
@@ -98,15 +98,16 @@ def differences(actual: Run, expected: Run, *, records: bool = False, check: Ten
     ``repr``: floats compare exactly and a NaN equals a NaN)."""
     out = []
     if actual.scales != expected.scales:
-        out.append(f"scale after each batch: {actual.scales} != recipe {expected.scales}")
+        out.append(f"scale trajectory: {actual.scales} != recipe {expected.scales}")
     if actual.changed != expected.changed:
         out.append(f"changed per batch: {actual.changed} != recipe {expected.changed}")
     if actual.skipped is not None and expected.skipped is not None and actual.skipped != expected.skipped:
         out.append(f"skipped per batch: {actual.skipped} != recipe {expected.skipped}")
     params = _tensor_dicts("params", actual.params, expected.params, check)
-    if params and actual.params.keys() == expected.params.keys():
-        params.append(f"relative error {_relative_error(actual.params, expected.params):.3g}")
-    out += params
+    if params:
+        same_keys = actual.params.keys() == expected.params.keys()
+        relative = f" (relative error {_relative_error(actual.params, expected.params):.3g})" if same_keys else ""
+        out.append(f"parameters differ from the recipe{relative}: " + "; ".join(params))
     if actual.state is not None and expected.state is not None:
         for i, (a, e) in enumerate(zip(actual.state, expected.state, strict=True)):
             out += _tensor_dicts(f"state of parameter {i}", a, e, check)
@@ -160,6 +161,7 @@ class RecipeRun:
         device: str = "cpu",
         scaler: Any = None,
         init_scale: float = INIT_SCALE,
+        data: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
     ) -> None:
         self.device = device
         self.net = net.to(device)
@@ -177,9 +179,12 @@ class RecipeRun:
         self.scales: list[float] = []
         self.changed: list[bool] = []
         self.records: list[Any] = []
-        #: the batches :meth:`batches` yields: ``range(start, stop)`` (a resumed run starts later, a short one stops
-        #: earlier)
-        self.start, self.stop = 0, TRAINER_BATCHES
+        #: the data (default: a Trainer run's fixed batches) and the batches of it :meth:`batches` yields:
+        #: ``range(start, stop)`` (a resumed run starts later, a short one stops earlier)
+        self.data = trainer_batches() if data is None else data
+        self.start, self.stop = 0, len(self.data)
+        #: with optimizers here, :meth:`batches` records ``changed`` per optimizer (a tuple per batch)
+        self.tracked: list[torch.optim.Optimizer] = []
 
     def save_point(self, batch_idx: int, optimizers: list) -> None:
         """Where a recipe would save a checkpoint mid-iteration (between two optimizers' steps); nothing by default."""
@@ -197,13 +202,13 @@ class RecipeRun:
 
     def batches(self) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
         """Yield ``(batch_idx, (x, y))``, recording the scale and whether the parameters changed after each batch."""
-        params = trainable(self.net)
-        batches = trainer_batches()
+        groups = [optimizer_params(opt) for opt in self.tracked] or [trainable(self.net)]
         for batch_idx in range(self.start, self.stop):
-            x, y = batches[batch_idx]
-            before = snapshot(params)
+            x, y = self.data[batch_idx]
+            before = [snapshot(params) for params in groups]
             yield batch_idx, (x.to(self.device), y.to(self.device))
-            self.changed.append(changed_since(before, params))
+            changed = tuple(changed_since(b, params) for b, params in zip(before, groups))
+            self.changed.append(changed if self.tracked else changed[0])
             if uses_scaler(self.precision):
                 self.scales.append(self.scaler.get_scale())
 
