@@ -50,8 +50,9 @@ class Run:
     changed: list[Any]
     #: anything the run chose to record (clip norms, autocast dtypes, the batches a resumed run trained on...)
     records: list[Any] = field(default_factory=list)
-    #: per batch, per optimizer: the skip signal (``optimizer.step_was_skipped``; ``None`` where a package has none)
-    skipped: Optional[list[tuple[Optional[bool], ...]]] = None
+    #: per batch: the skip signal (``optimizer.step_was_skipped``; ``None`` where a package has none), a tuple per
+    #: optimizer where the driver tells them apart
+    skipped: Optional[list[Any]] = None
     #: the final optimizer state, per parameter in ``param_groups`` order
     state: Optional[list[dict[str, Any]]] = None
     #: per step, a copy of every gradient where the step reads it

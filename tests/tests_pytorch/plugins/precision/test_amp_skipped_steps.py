@@ -22,11 +22,11 @@ optimizer step calls, skipped or not, so the length of a run and the checkpoint 
 import functools
 import math
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from amp_oracle.run import Run, assert_same_run
 from amp_oracle.torch_features import optimizer
 from amp_oracle.trainer import STOCK, lightning_api, quiet_trainer
 from amp_oracle.trainer import make_trainer as shared_make_trainer
@@ -68,33 +68,10 @@ def _quiet():
         yield
 
 
-@dataclass
-class Run:
-    """What one run did, batch by batch (after the batch), and where it ended."""
-
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: ``step_was_skipped`` as read after each batch's step (the recipe: whether the update backed off)
-    skipped: list[bool] = field(default_factory=list)
-    #: the learning rate after each batch
-    lrs: list[float] = field(default_factory=list)
-    #: the loss scale after each batch
-    scales: list[float] = field(default_factory=list)
-    #: whether any parameter changed in each batch
-    changed: list[bool] = field(default_factory=list)
-
-
-def assert_same(actual: Run, expected: Run) -> None:
-    assert actual.skipped == expected.skipped
-    assert actual.scales == expected.scales
-    assert actual.lrs == expected.lrs, f"LR trajectory {actual.lrs} != recipe {expected.lrs}"
-    assert actual.changed == expected.changed
-    assert actual.params.keys() == expected.params.keys()
-    differ = {
-        n: (actual.params[n] - p).abs().max().item()
-        for n, p in expected.params.items()
-        if not torch.equal(actual.params[n], p)
-    }
-    assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
+def new_run() -> Run:
+    """An empty :class:`~amp_oracle.run.Run` filled batch by batch: ``skipped`` is ``step_was_skipped`` read after
+    each batch's step (the recipe: whether the update backed off), ``records`` the learning rate after each batch."""
+    return Run(params={}, scales=[], changed=[], skipped=[])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -116,7 +93,7 @@ def recipe_run(
         # are exactly for-loop SGD's first step with dampening=0)
         for p in net.parameters():
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    run = Run()
+    run = new_run()
     last_skipped = False
     for i, (x, y) in enumerate(make_batches()[:n_batches]):
         before = [p.detach().clone() for p in net.parameters()]
@@ -132,7 +109,7 @@ def recipe_run(
                 sch.step()
             opt.zero_grad(set_to_none=True)
         run.skipped.append(last_skipped)
-        run.lrs.append(opt.param_groups[0]["lr"])
+        run.records.append(opt.param_groups[0]["lr"])
         run.scales.append(scaler.get_scale())
         run.changed.append(any(not torch.equal(b, p) for b, p in zip(before, net.parameters())))
     run.params = {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
@@ -210,7 +187,7 @@ def recorder_class(package: str) -> type:
         """Reads the skip signal in ``on_train_batch_end`` through both public handles on the optimizer."""
 
         def __init__(self) -> None:
-            self.run = Run()
+            self.run = new_run()
             self.via_strategy: list[bool] = []
             self._before: list[torch.Tensor] = []
 
@@ -222,7 +199,7 @@ def recorder_class(package: str) -> type:
             if hasattr(pl_module.optimizers(), "step_was_skipped"):  # the stock negative control has no signal
                 run.skipped.append(pl_module.optimizers().step_was_skipped)
                 self.via_strategy.append(trainer.strategy._lightning_optimizers[0].step_was_skipped)
-            run.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+            run.records.append(trainer.optimizers[0].param_groups[0]["lr"])
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             run.scales.append(scaler.get_scale() if scaler is not None else None)
             run.changed.append(any(not torch.equal(b, p) for b, p in zip(self._before, pl_module.parameters())))
@@ -268,7 +245,7 @@ def test_step_was_skipped_exactly_on_forced_overflows(mode, optimizer):
     # the signal agrees with what happened: untouched weights and a backed-off scale exactly on the skipped steps
     assert record.run.changed == [not s for s in expected]
     recipe = cached_recipe(optimizer, None)
-    assert_same(record.run, recipe)
+    assert_same_run(record.run, recipe, records=True)
 
 
 def test_stock_lightning_has_no_skip_signal():
@@ -310,7 +287,7 @@ def test_step_scheduler_follows_the_recipe(mode, optimizer, scheduler):
     module = module_class("lightning")(optimizer, scheduler, automatic=mode == "automatic")
     trainer, record = fit("lightning", module)
     recipe = cached_recipe(optimizer, scheduler)
-    assert_same(record.run, recipe)
+    assert_same_run(record.run, recipe, records=True)
     # the scheduler stepped once per applied step, and the first (skipped) step did not make PyTorch warn
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == TRAINER_BATCHES - len(FORCED)
     assert not [w for w in record.warnings if SCHEDULER_BEFORE_OPTIMIZER in w]
@@ -323,7 +300,7 @@ def test_step_scheduler_with_gradient_accumulation():
     _, record = fit("lightning", module, accumulate_grad_batches=2)
     recipe = cached_recipe("AdamW", "StepLR", forced, accumulate=2)
     # Lightning divides the loss by the window size before scaling it, as the recipe does
-    assert record.run.lrs == recipe.lrs
+    assert record.run.records == recipe.records
     assert record.run.scales == recipe.scales
     assert record.run.changed == recipe.changed
     assert record.run.skipped == recipe.skipped == [False, True, True, False, False, True, True, False]
@@ -339,13 +316,13 @@ def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
     recipe = cached_recipe("AdamW", scheduler)
     assert record.run.scales == recipe.scales  # the same steps were skipped ...
     assert record.run.changed == recipe.changed
-    assert record.run.lrs != recipe.lrs  # ... but the LR moved on anyway
+    assert record.run.records != recipe.records  # ... but the LR moved on anyway
     advancing = [SCHEDULERS[scheduler](torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-2))]
     every_batch = []
     for _ in range(TRAINER_BATCHES):
         advancing[0].step()
         every_batch.append(advancing[0].get_last_lr()[0])
-    assert record.run.lrs == every_batch
+    assert record.run.records == every_batch
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == TRAINER_BATCHES
     assert [w for w in record.warnings if SCHEDULER_BEFORE_OPTIMIZER in w]
 
@@ -359,7 +336,7 @@ def test_scheduler_on_a_batch_without_step_does_not_depend_on_the_previous_batch
         module = module_class("lightning")("SGD", "StepLR", automatic=True, forced=forced, none_at=(2,))
         _, record = fit("lightning", module)
         assert record.run.changed[2] is False  # no step on batch 2
-        return record.run.lrs[2] != record.run.lrs[1]
+        return record.run.records[2] != record.run.records[1]
 
     assert advanced_on_batch_2(forced=(1,)) == advanced_on_batch_2(forced=())
 
