@@ -121,13 +121,13 @@ gpu-check:
 ##   and writes build/pr-stack/stack.json; the clone is left as it was (FORCE=1 replaces the stack's branches that exist)
 pr-stack:
 	@test -n "$(UPSTREAM)" || { echo "usage: make pr-stack UPSTREAM=<git work tree of upstream master> [BASE=<commit>] [FORCE=1]" >&2; exit 2; }
-	$(PYTHON) upstream/pr_stack.py --upstream "$(UPSTREAM)" $(if $(BASE),--base "$(BASE)") $(if $(FORCE),--force)
+	$(PYTHON) -m upstream.pr_stack --upstream "$(UPSTREAM)" $(if $(BASE),--base "$(BASE)") $(if $(FORCE),--force)
 
 ## series-check: the series reviewable one concern at a time: every own file claimed by its patch, each patch's
 ##   Forwarded: pointing where its concern went, no patch rewriting an earlier one (churn < 5%), and every prefix
 ##   building, importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
 series-check: setup
-	$(PY) tools/check_series.py --tests $(SERIES_TESTS)
+	$(PY) -m forkbuild series-check --tests $(SERIES_TESTS)
 
 ## upstream-test: upstream's own tests against the installed fork (not in CI): stock lightning 2.6.6 vs the fork on
 ##   upstream's tests at REF (2.6.5: the last tag upstream's repository has) with the test patches, every failure on the
@@ -135,7 +135,7 @@ series-check: setup
 ##   BRANCH=<a stack branch in UPSTREAM>: that branch vs its base (BASE, default master) from source
 upstream-test:
 	@test -n "$(UPSTREAM)" || { echo "usage: make upstream-test UPSTREAM=<upstream Lightning clone> [REF=2.6.5] [FULL=1 | STACK=1 | BRANCH=<stack branch> [BASE=master]]" >&2; exit 2; }
-	$(PYTHON) upstream/upstream_test.py --upstream "$(UPSTREAM)" \
+	$(PYTHON) -m upstream.upstream_test --upstream "$(UPSTREAM)" \
 	  $(if $(BRANCH),--branch "$(BRANCH)" $(if $(BASE),--base "$(BASE)"),--ref "$(REF)") $(if $(FULL),--full) \
 	  $(if $(STACK),--stack) $(UPSTREAM_TEST_ARGS)
 

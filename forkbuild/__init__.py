@@ -14,4 +14,6 @@ Modules:
     editable  -- ``pip install -e .``: an editable lightning that imports the patched tree ``.tree/src``.
     stamp     -- whether ``.tree/`` was made from the checkout's current inputs.
     devtree   -- ``python -m forkbuild tree`` / ``export``: the patched tree as a git history, and back.
+    series    -- the series as the maintainers' commands read it: DEP-3 headers, claimed files (``upstream/`` uses it).
+    series_check -- ``python -m forkbuild series-check``: claims, churn, every prefix of the series.
 """

@@ -1,5 +1,5 @@
-"""``python -m forkbuild {tree,export,tree-standalone,wheel,standalone-tests}``: the developer's commands (see devtree,
-assemble and standalone_tests)."""
+"""``python -m forkbuild {tree,export,tree-standalone,wheel,standalone-tests,series-check}``: the developer's commands
+(see devtree, assemble, standalone_tests and series_check)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forkbuild import assemble, devtree, standalone_tests, upstream
+from forkbuild import assemble, devtree, series_check, standalone_tests, upstream
 from forkbuild.pin import STANDALONE, BuildError
 
 
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         "standalone-tests", help="the behaviour tests, renamed for pytorch_lightning / lightning_fabric"
     )
     renamed.add_argument("-o", "--outdir", type=Path, default=Path("build/standalone-tests"))
+    series_check.add_arguments(commands.add_parser(
+        "series-check", help="the series reviewable one concern at a time (claims, churn, every prefix)",
+        description=series_check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ))
     args = parser.parse_args(argv)
     try:
         if args.command == "tree":
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.install:
                 pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)]
                 return subprocess.run(pip).returncode
+        elif args.command == "series-check":
+            return series_check.run(args)
         elif args.command == "standalone-tests":
             root = Path(__file__).resolve().parent.parent
             files = standalone_tests.generate(root / "tests", args.outdir, root / "pyproject.toml")

@@ -55,15 +55,19 @@ def _strip_prefix(raw: str) -> str:
     return path[2:] if path.startswith(("a/", "b/")) else path
 
 
+def header(text: str) -> str:
+    """A patch file's header: every line before its diff (DEP-3 fields and prose)."""
+    lines = _lines(text)
+    end = next((i for i, line in enumerate(lines) if line.startswith(("--- ", "diff --git "))), len(lines))
+    return "".join(lines[:end])
+
+
 def parse(name: str, text: str) -> Patch:
     """Parse one patch file. Creating, deleting or renaming files is refused: new files are our own modules."""
+    head = header(text)
     lines = _lines(text)
-    header: list[str] = []
     files: list[FilePatch] = []
-    i = 0
-    while i < len(lines) and not lines[i].startswith(("--- ", "diff --git ")):
-        header.append(lines[i])
-        i += 1
+    i = len(_lines(head))
     while i < len(lines):
         line = lines[i]
         if line.startswith(("diff --git ", "index ")):
@@ -118,7 +122,7 @@ def parse(name: str, text: str) -> Patch:
         files[-1].hunks.append(hunk)
     if not files:
         raise PatchError(f"patch {name}: no diff found")
-    return Patch(name, "".join(header), files)
+    return Patch(name, head, files)
 
 
 def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int:

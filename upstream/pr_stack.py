@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Build and check the stack of small upstream pull requests: one branch per folder of ``upstream/stack/``.
 
-    python3 upstream/pr_stack.py --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
-    python3 upstream/pr_stack.py --check                              (the folders only; no clone, CI runs it)
+    python3 -m upstream.pr_stack --upstream ../pytorch-lightning      (make pr-stack UPSTREAM=...)
+    python3 -m upstream.pr_stack --check                              (the folders only; no clone, CI runs it)
 
 Each folder ``upstream/stack/<NN>-<slug>/`` is one proposed PR, written against upstream master (``changes.patch``
 applies there alone), and holds:
@@ -48,9 +47,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkbuild.series import REPO, Failure, git, identity_env
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tools"))
-from series import REPO, Failure, git, identity_env  # noqa: E402
 
 #: upstream master at the time of writing: every PR of the stack is a diff against it
 BASE = "7f0c3436cd3f6ad3753125672024fc415cbcb414"

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Run upstream Lightning's own tests against the fork: upstream's suites (stock vs fork), and each stack PR's tests.
 
-    python3 upstream/upstream_test.py --upstream ../pytorch-lightning [--ref 2.6.5] [--full]  (make upstream-test ...)
-    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --stack [--ref 2.6.5] (make upstream-test STACK=1)
-    python3 upstream/upstream_test.py --upstream ../pytorch-lightning --branch amp/<slug> [--base master]
+    python3 -m upstream.upstream_test --upstream ../pytorch-lightning [--ref 2.6.5] [--full]  (make upstream-test ...)
+    python3 -m upstream.upstream_test --upstream ../pytorch-lightning --stack [--ref 2.6.5] (make upstream-test STACK=1)
+    python3 -m upstream.upstream_test --upstream ../pytorch-lightning --branch amp/<slug> [--base master]
 
 **Stock vs fork** (the first form, steps 1-4 below) tests the fork as it installs: every upstream test the fork fails
 that passes on stock must be in a file that a test patch (``upstream/test-patches/``) changes on purpose; the report
@@ -56,9 +55,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkbuild.series import REPO, TEST_PATCHES, Failure, git, read_series
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tools"))
-from series import REPO, TEST_PATCHES, Failure, git, read_series  # noqa: E402
 
 TORCH = "torch==2.13.0"
 STOCK = ["lightning==2.6.6", "pytorch-lightning==2.6.6"]

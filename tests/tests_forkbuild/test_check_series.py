@@ -1,4 +1,5 @@
-"""tools/check_series.py: the series is reviewable one concern at a time, and each check can fail."""
+"""``python -m forkbuild series-check`` (forkbuild/series_check.py): the series is reviewable one concern at a time,
+and each check can fail."""
 
 import shutil
 import sys
@@ -6,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+from forkbuild import series_check as check_series
+from forkbuild.series import read_series
 
-import check_series  # noqa: E402
-from series import read_series  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -48,11 +48,12 @@ def test_a_file_claimed_twice_is_reported(tmp_path):
     patches = _series_copy(tmp_path)
     second = patches / "0003-pytree-leaf-spec-without-deprecation.patch"
     text = second.read_text()
+    recipe = next(p for p in read_series(patches) if p.stem == "0007-amp-follows-the-recipe").adds()[-1]
     second.write_text(text.replace("Adds: tests/tests_pytorch/utilities/test_pytree_leaf_spec.py",
-                                   "Adds: tests/tests_pytorch/utilities/test_pytree_leaf_spec.py\n"
-                                   " tests/tests_pytorch/helpers/amp_recipe.py"))
+                                   f"Adds: tests/tests_pytorch/utilities/test_pytree_leaf_spec.py\n {recipe}"))
     problems = check_series.check_claims(read_series(patches), read_series(check_series.TEST_PATCHES))
-    assert any("tests/tests_pytorch/helpers/amp_recipe.py is added by both 0003-pytree-leaf-spec-without-deprecation.patch and 0007" in p for p in problems)
+    both = f"{recipe} is added by both 0003-pytree-leaf-spec-without-deprecation.patch and 0007-amp-follows-the-recipe"
+    assert any(both in p for p in problems), problems
 
 
 def test_churn_counts_the_lines_a_later_patch_removes(tmp_path):
@@ -117,3 +118,4 @@ def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_packag
     assert "prefix 1..1 (up to 0004-precision-training-iteration-hooks.patch) its tests fail" in problems[0]
     # the same test passes once 0009 is in: prefix 1..2 runs every test claimed so far
     assert check_series.check_prefixes(series, "all", sys.executable, ["-x"], None, first=2, repo=repo) == []
+

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from upstream import pr_stack
+
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "upstream" / "pr_stack.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import pr_stack  # noqa: E402
+#: ``make pr-stack``'s command, run from the repository root
+SCRIPT = [sys.executable, "-m", "upstream.pr_stack"]
 
 DESCRIPTION = """\
 ## What does this PR do?
@@ -100,8 +101,8 @@ def toy_stack(clone: Path, stack: Path) -> None:
 
 
 def run_stack(clone: Path, stack: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--upstream", str(clone), "--stack", str(stack),
-                           "--base", base_of(clone), "--out", str(out), *extra], capture_output=True, text=True)
+    return subprocess.run([*SCRIPT, "--upstream", str(clone), "--stack", str(stack), "--base", base_of(clone),
+                           "--out", str(out), *extra], capture_output=True, text=True, cwd=REPO)
 
 
 def clone_state(clone: Path) -> tuple[str, str, str, str]:
@@ -289,8 +290,8 @@ def test_the_issue_draft_a_pr_names_must_exist(upstream, tmp_path):
 
 def test_check_requires_every_pr_to_name_its_issue_draft(upstream, tmp_path):
     add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
-    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--stack", str(tmp_path / "stack")],
-                          capture_output=True, text=True)
+    done = subprocess.run([*SCRIPT, "--check", "--stack", str(tmp_path / "stack")],
+                          capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 1
     assert "01-widget/pr.toml: no `issue`" in done.stderr
 
@@ -384,7 +385,7 @@ def test_test_files_do_not_import_across_suites(upstream, tmp_path):
 
 def test_the_repository_stack_is_well_formed():
     """The real folders of upstream/stack/: pr.toml, description, patch and limits (CI runs this)."""
-    done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    done = subprocess.run([*SCRIPT, "--check"], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     folders = sorted(p.name for p in pr_stack.STACK.iterdir() if p.is_dir())
     assert folders, "upstream/stack/ holds no PR"

@@ -8,14 +8,11 @@ pytest run of upstream's suites.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "upstream"))
-import upstream_test  # noqa: E402
+from upstream import upstream_test
 
 MASTER = """\
 import torch

@@ -1,14 +1,18 @@
-"""The fork's patch series as the tools read it: patches, their DEP-3 headers, the files they claim, and git.
+"""The series as the maintainers' commands read it: patches with their DEP-3 headers, the files they claim, and git.
 
-Standard library only; shared by tools/check_series.py and the upstream workbench (upstream/pr_stack.py,
-upstream/upstream_test.py). Two series are read from this repository, each a ``series`` file (one patch file name a
-line, ``#`` comments) with DEP-3 headers:
+The series check (``python -m forkbuild series-check``) and the upstream workbench (``python -m upstream.pr_stack``,
+``python -m upstream.upstream_test``) read it here; which files a series holds, and in what order, is
+:func:`forkbuild.patching.read_series`'s, the build's own reader. Two series are read from this repository, each a
+``series`` file (one patch file name a line, ``#`` comments) with DEP-3 headers:
 
 ``patches/``                 the fork's patches to upstream's package (``a/src/lightning/...``): what the wheel ships.
-                             A patch's ``Adds:`` field names our own files that come with its concern.
+                             A patch's ``Adds:`` field names our own files that come with its concern; ``fork-only``
+                             there lists our files that no patch claims (the build reads only what ``series`` names).
 ``upstream/test-patches/``   edits to upstream's *tests* that pin behaviour our patches change on purpose
                              (``a/tests/...``), applied only to an upstream checkout; a test patch's ``Accompanies:``
                              field names the series patch it follows.
+
+Standard library only.
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from forkbuild import patching
+from forkbuild.pin import ROOT, BuildError
+
+REPO = ROOT
 SOURCE_PATCHES = REPO / "patches"
 TEST_PATCHES = REPO / "upstream" / "test-patches"
-FORK_ONLY = HERE / "fork-only"
+FORK_ONLY = SOURCE_PATCHES / "fork-only"
 
 _FIELD = re.compile(r"^([A-Z][A-Za-z-]*):\s?(.*)$")
 _TARGET = re.compile(r"^\+\+\+ b/(\S+)")
 
 
-class Failure(Exception):
+class Failure(BuildError):
     """A step failed; the message says what and where, for a person to act on."""
 
 
@@ -82,20 +88,12 @@ class SeriesPatch:
 
 
 def read_series(folder: Path) -> list[SeriesPatch]:
-    series = folder / "series"
-    if not series.is_file():
-        return []
-    patches = []
-    for raw in series.read_text(encoding="utf-8").splitlines():
-        name = raw.split("#", 1)[0].strip()
-        if not name:
-            continue
-        path = folder / name
-        if not path.is_file():
-            raise Failure(f"{series} lists {name}, which does not exist")
-        text = path.read_text(encoding="utf-8")
-        patches.append(SeriesPatch(path, re.split(r"^(?:diff --git |--- )", text, maxsplit=1, flags=re.M)[0]))
-    return patches
+    """The series of ``folder`` in order, each patch with its header ([] without a ``series`` file)."""
+    try:
+        paths = patching.read_series(folder)
+    except patching.PatchError as err:
+        raise Failure(str(err)) from None
+    return [SeriesPatch(path, patching.header(path.read_text(encoding="utf-8"))) for path in paths]
 
 
 def fork_only(path: Path = FORK_ONLY) -> dict[str, str]:

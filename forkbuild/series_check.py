@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """Check that the series is reviewable one concern at a time: claimed files, no churn, every prefix works.
 
-    python tools/check_series.py                  (make series-check: the claims, then every prefix)
-    python tools/check_series.py --tests new      (each test file once, at the prefix that adds it)
-    python tools/check_series.py --tests none     (claims, then each prefix builds and imports)
-    python tools/check_series.py --claims-only
+    python -m forkbuild series-check                  (make series-check: the claims, then every prefix)
+    python -m forkbuild series-check --tests new      (each test file once, at the prefix that adds it)
+    python -m forkbuild series-check --tests none     (claims, then each prefix builds and imports)
+    python -m forkbuild series-check --claims-only
 
 1. **Claims.** Each of our own files (``src/**``, ``tests/tests_pytorch/**``, ``tests/tests_fabric/**``) is added by
-   exactly one patch, named in its header's ``Adds:`` field (one path a line), or listed in ``tools/fork-only`` (the
+   exactly one patch, named in its header's ``Adds:`` field (one path a line), or listed in ``patches/fork-only`` (the
    fork's packaging tests, which upstream does not need). Each upstream test patch (``upstream/test-patches/``)
    names, in ``Accompanies:``, the patch whose behaviour change it follows (or ``none``).
 2. **Written once, where it ends up.** The series is what the wheel ships: no patch removes a line that an earlier
@@ -34,10 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from series import (  # noqa: E402
+from forkbuild import assemble, upstream
+from forkbuild.patching import apply_patch, parse
+from forkbuild.pin import read_pin
+from forkbuild.series import (
     FORK_ONLY,
-    HERE,
     REPO,
     SOURCE_PATCHES,
     TEST_PATCHES,
@@ -48,11 +48,6 @@ from series import (  # noqa: E402
     read_series,
     unclaimed,
 )
-
-sys.path.insert(0, str(REPO))
-from forkbuild import assemble, upstream  # noqa: E402
-from forkbuild.patching import apply_patch, parse  # noqa: E402
-from forkbuild.pin import read_pin  # noqa: E402
 
 OWN = ("src", "tests/tests_pytorch", "tests/tests_fabric")
 MAX_CHURN = 0.05
@@ -91,7 +86,7 @@ def check_claims(patches: list[SeriesPatch], test_patches: list[SeriesPatch]) ->
     for path in unclaimed(own_files(), patches):
         problems.append(
             f"{path} belongs to no patch: name it in the `Adds:` field of the patch whose concern it serves,"
-            f" or in tools/{FORK_ONLY.name} if upstream does not need it"
+            f" or in patches/{FORK_ONLY.name} if upstream does not need it"
         )
     stems = {p.stem for p in patches}
     for patch in test_patches:
@@ -230,8 +225,7 @@ def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_ar
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tests", choices=["all", "new", "none"], default="all",
                         help="which added tests each prefix runs (default: all so far)")
     parser.add_argument("--claims-only", action="store_true", help="only the claims and the churn")
@@ -239,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="write the prefixes here instead of a temporary folder")
     parser.add_argument("--max-churn", type=float, default=MAX_CHURN)
     parser.add_argument("--pytest-args", default="-x", help="extra pytest arguments, one string (default: -x)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m forkbuild series-check``: the exit status of the module's docstring."""
     try:
         patches = read_series(SOURCE_PATCHES)
         problems = check_claims(patches, read_series(TEST_PATCHES)) + check_forwarded(patches)
@@ -264,7 +261,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log(f"every prefix of the {len(patches)} patches builds, imports and passes its tests ({args.tests})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
