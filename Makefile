@@ -124,8 +124,9 @@ pr-stack:
 	$(PYTHON) -m upstream.pr_stack --upstream "$(UPSTREAM)" $(if $(BASE),--base "$(BASE)") $(if $(FORCE),--force)
 
 ## series-check: the series reviewable one concern at a time: every own file claimed by its patch, each patch's
-##   Forwarded: pointing where its concern went, no patch rewriting an earlier one (churn < 5%), and every prefix
-##   building, importing and passing the tests of the concerns it holds (SERIES_TESTS=all; new: each test file once; none)
+##   Forwarded: pointing where its concern went, no patch rewriting an earlier one (churn < 5%), every patch cited in
+##   patches/, the Markdown and docs/ existing, and every prefix building, importing and passing the tests of the
+##   concerns it holds (SERIES_TESTS=all; new: each test file once; none)
 series-check: setup
 	$(PY) -m forkbuild series-check --tests $(SERIES_TESTS)
 

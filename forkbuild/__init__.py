@@ -15,5 +15,5 @@ Modules:
     stamp     -- whether ``.tree/`` was made from the checkout's current inputs.
     devtree   -- ``python -m forkbuild tree`` / ``export``: the patched tree as a git history, and back.
     series    -- the series as the maintainers' commands read it: DEP-3 headers, claimed files (``upstream/`` uses it).
-    series_check -- ``python -m forkbuild series-check``: claims, churn, every prefix of the series.
+    series_check -- ``python -m forkbuild series-check``: claims, churn, patch citations, every prefix of the series.
 """

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     renamed.add_argument("-o", "--outdir", type=Path, default=Path("build/standalone-tests"))
     series_check.add_arguments(commands.add_parser(
-        "series-check", help="the series reviewable one concern at a time (claims, churn, every prefix)",
+        "series-check", help="the series reviewable one concern at a time (claims, churn, citations, every prefix)",
         description=series_check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     ))
     args = parser.parse_args(argv)

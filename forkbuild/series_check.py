@@ -1,4 +1,4 @@
-"""Check that the series is reviewable one concern at a time: claimed files, no churn, every prefix works.
+"""Check that the series is reviewable one concern at a time: claimed files, no churn, citations, every prefix works.
 
     python -m forkbuild series-check                  (make series-check: the claims, then every prefix)
     python -m forkbuild series-check --tests new      (each test file once, at the prefix that adds it)
@@ -13,7 +13,10 @@
    patch added (a rewrite or a move), at most ``--max-churn`` (5 %) of the added lines. Each patch's DEP-3
    ``Forwarded:`` is ``no``, ``not-needed``, or the PRs of ``upstream/stack/`` and RFCs of ``upstream/rfcs/`` that
    carry its concern upstream.
-3. **Every prefix.** For k = 1 .. N: upstream's package from the pinned wheel (hash-checked), patches 1..k, and the
+3. **Citations.** Every patch cited by number in the patches (headers and added lines) and in the tracked Markdown
+   and docs (``patch 0019``, ``patches 0007 and 0013``, ``0019-amp-misuse-watch-is-opt-in.patch``,
+   ``patches/0010-...``) is a patch of ``patches/series``, and a slug given with the number is that patch's.
+4. **Every prefix.** For k = 1 .. N: upstream's package from the pinned wheel (hash-checked), patches 1..k, and the
    files patches 1..k add, in a fresh folder; it must byte-compile and import (``lightning``, ``lightning.pytorch``,
    ``lightning.fabric`` and every module patched so far), and pass the tests its patches add: all of them so far
    (``--tests all``, the default: a prefix passes the tests of every concern it contains), only the new ones
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +38,7 @@ import time
 from pathlib import Path
 
 from forkbuild import assemble, upstream
-from forkbuild.patching import apply_patch, parse
+from forkbuild.patching import apply_patch, header, parse
 from forkbuild.pin import read_pin
 from forkbuild.series import (
     FORK_ONLY,
@@ -140,6 +144,88 @@ def check_forwarded(patches: list[SeriesPatch]) -> list[str]:
     return problems
 
 
+#: the series a citation may name, by the folder that holds its ``series`` file; a number alone names a patch of the
+#: first (``test patch 0010`` a test patch's), a folder before the number its own, a slug the series that has it
+CITED_SERIES = {"patches": SOURCE_PATCHES, "test-patches": TEST_PATCHES, "docs/patches": REPO / "docs" / "patches"}
+# a patch named with a folder or its slug: `0019-amp-misuse-watch-is-opt-in.patch`, `0007-amp-follows-the-recipe`,
+# `patches/0010-...`, `docs/patches/0002`
+_CITED_FILE = re.compile(r"(?<![\w.-])(?P<folder>(?:docs/)?patches/|test-patches/)?(?P<number>0\d{3})(?!\w)"
+                         r"(?:-(?P<slug>[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?P<ext>\.patch)?)?")
+# a patch named by its number: `patch 0019`, `patches 0007 and 0013`, `test patches 0010/0011`
+_CITED_NUMBERS = re.compile(r"\b(?P<test>test )?patch(?:es)?\s+(?P<numbers>0\d{3}(?:(?:\s*,\s*|\s+and\s+|\s+or\s+|/)"
+                            r"0\d{3})*)(?![\w-])", re.I)
+# patch numbers listed in parentheses, as the CHANGELOG does: `([#18089](...), 0007, 0013)`, `(0019, fork-only)`
+_CITED_IN_PARENS = re.compile(r"(?:(?<=\()|(?<=, ))(?P<number>0\d{3})(?=\.?\)|, [^()\n]*\))")
+
+
+def cited_text(text: str, patch: bool) -> str:
+    """What of ``text`` may cite: all of it, or of a patch its header and the lines its diff adds (the others blank,
+    so that line numbers stay the file's)."""
+    if not patch:
+        return text
+    lines = text.splitlines()
+    head = len(header(text).splitlines())
+    return "\n".join(lines[:head] + [ln[1:] if ln.startswith("+") and not ln.startswith("+++") else ""
+                                    for ln in lines[head:]])
+
+
+def citations(text: str) -> list[tuple[int, str | None, str, str | None]]:
+    """(line, series folder or None, number, slug or None) of each patch that ``text`` cites: the folder is the
+    citation's own (``docs/patches/0002``), a test patch's for ``test patch(es) NNNN``, else ``patches`` for a number
+    alone and None for a slug (the series that has it)."""
+    found: list[tuple[int, str | None, str, str | None]] = []
+
+    def line_of(at: int) -> int:
+        return text.count("\n", 0, at) + 1
+
+    for m in _CITED_FILE.finditer(text):
+        folder, slug = (m.group("folder") or "").rstrip("/") or None, m.group("slug")
+        if folder is not None or slug is not None:
+            found.append((line_of(m.start()), folder, m.group("number"), slug and slug + (m.group("ext") or "")))
+    for m in _CITED_NUMBERS.finditer(text):
+        for number in re.findall(r"0\d{3}", m.group("numbers")):
+            found.append((line_of(m.start()), "test-patches" if m.group("test") else "patches", number, None))
+    for m in _CITED_IN_PARENS.finditer(text):
+        found.append((line_of(m.start()), "patches", m.group("number"), None))
+    return found
+
+
+def cited_files(repo: Path = REPO) -> list[str]:
+    """Where patches are cited: the series' patches, every tracked Markdown file, and the text files of ``docs/``."""
+    names = git(repo, "ls-files", "--", "*.md", "docs", "patches/*.patch").stdout.split()
+    return [name for name in names if name.endswith((".md", ".rst", ".py", ".patch", ".txt"))]
+
+
+def _names(slug: str, stem: str) -> bool:
+    """Whether ``slug`` (after ``NNNN-``) names the patch ``stem``: its whole file name, or the start of its stem."""
+    return slug == f"{stem[5:]}.patch" or not slug.endswith(".patch") and f"{stem}-".startswith(f"{stem[:4]}-{slug}-")
+
+
+def check_citations(repo: Path = REPO, files: list[str] | None = None) -> list[str]:
+    """Each patch cited by number is a patch of that number in its series, and a slug given with it is that patch's."""
+    stems = {
+        name: {patch.stem[:4]: patch.stem for patch in read_series(repo / folder.relative_to(REPO))}
+        for name, folder in CITED_SERIES.items()
+    }
+    problems = []
+    for name in cited_files(repo) if files is None else files:
+        text = (repo / name).read_text(encoding="utf-8")
+        for line, folder, number, slug in citations(cited_text(text, name.endswith(".patch"))):
+            cited = f"{number}-{slug}" if slug else number
+            where = [folder] if folder else list(stems)
+            if any(number in stems[f] and (slug is None or _names(slug, stems[f][number])) for f in where):
+                continue
+            if slug is None:
+                problems.append(f"{name}:{line} cites {folder} {number}, but {folder}/series has no patch {number}")
+                continue
+            base = slug.removesuffix(".patch")
+            actual = [stem for f in where for stem in stems[f].values() if stem[5:] == base]
+            has = [f"{f} {number} is {stems[f][number]}" for f in where if number in stems[f]]
+            problems.append(f"{name}:{line} cites {cited}, but " + ("; ".join(has) or f"no series has a patch {number}")
+                            + (f"; {base} is {', '.join(actual)}" if actual else ""))
+    return problems
+
+
 def upstream_package() -> dict[str, bytes]:
     pin = read_pin()
     folder = REPO / "build" / "upstream-wheel"
@@ -228,7 +314,7 @@ def check_prefixes(patches: list[SeriesPatch], mode: str, python: str, pytest_ar
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tests", choices=["all", "new", "none"], default="all",
                         help="which added tests each prefix runs (default: all so far)")
-    parser.add_argument("--claims-only", action="store_true", help="only the claims and the churn")
+    parser.add_argument("--claims-only", action="store_true", help="only the claims, the churn and the citations")
     parser.add_argument("--from", dest="first", type=int, default=1, help="start at this prefix (1-based)")
     parser.add_argument("--keep", type=Path, help="write the prefixes here instead of a temporary folder")
     parser.add_argument("--max-churn", type=float, default=MAX_CHURN)
@@ -246,10 +332,11 @@ def run(args: argparse.Namespace) -> int:
             f" ({share:.1%}){''.join(chr(10) + '  ' + d for d in detail)}")
         if share > args.max_churn:
             problems.append(f"churn {share:.1%} is above {args.max_churn:.0%}:\n  " + "\n  ".join(detail))
+        problems += check_citations()
         if problems:
             print("\n".join(f"- {p}" for p in problems), file=sys.stderr)
             return 1
-        log(f"claims: every own file belongs to one of {len(patches)} patches or is fork-only")
+        log(f"claims: every own file belongs to one of {len(patches)} patches or is fork-only; each patch cited exists")
         if args.claims_only:
             return 0
         problems = check_prefixes(patches, args.tests, sys.executable, args.pytest_args.split(), args.keep, args.first)

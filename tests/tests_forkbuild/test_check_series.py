@@ -1,7 +1,8 @@
 """``python -m forkbuild series-check`` (forkbuild/series_check.py): the series is reviewable one concern at a time,
-and each check can fail."""
+every patch cited exists, and each check can fail."""
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,3 +120,62 @@ def test_a_prefix_whose_tests_need_a_later_patch_fails(tmp_path, upstream_packag
     # the same test passes once 0009 is in: prefix 1..2 runs every test claimed so far
     assert check_series.check_prefixes(series, "all", sys.executable, ["-x"], None, first=2, repo=repo) == []
 
+
+def test_every_patch_cited_in_the_patches_markdown_and_docs_exists():
+    """``patch 0019``, ``0019-amp-misuse-watch-is-opt-in.patch``, ``patches/0010-...``: each names a patch of its
+    series (``make test`` runs the check on the repository)."""
+    assert len(check_series.cited_files()) > 20
+    assert check_series.check_citations() == []
+
+
+CITING = """\
+Description: cites patches.
+ The watch is opt-in (patch 0019); patches 0007 and 0012 hold the recipe (0007-amp-follows-the-recipe.patch,
+ patches/0010-..., docs/patches/0002, test patches 0010/0011, ([#18089](https://x/18089), 0007, 0013)).
+ Not citations: 2026-12-04-architecture.md, lightning 2.6.6, #1234, issue 0042 of the tracker, 7f0c3436cd,
+ upstream/stack/01-stale-autocast-cache, the renumbering 0001-0020, patches 0007-0019.
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", None),
+        ("the fuller watch is opt-in (patch 0020)", "cites patches 0020, but patches/series has no patch 0020"),
+        ("see patches 0007 and 0021", "cites patches 0021, but patches/series has no patch 0021"),
+        ("what it changes (0018, fork-only), and (0023.)", "cites patches 0023, but patches/series has no patch 0023"),
+        ("it pins the recipe (0011-amp-follows-the-recipe.patch)",
+         ("cites 0011-amp-follows-the-recipe.patch, but patches 0011 is 0011-docstrings-mixed-precision-hooks;",
+          "; amp-follows-the-recipe is 0007-amp-follows-the-recipe")),
+        ("as 0019-amp-misuse-watch-is-on.patch says", "cites 0019-amp-misuse-watch-is-on.patch, but patches 0019 is"),
+        ("as patches/0019-amp-misuse-watch says", None),
+        ("as patches/0030-... says", "cites patches 0030, but patches/series has no patch 0030"),
+        ("docs/patches/0009 says", "cites docs/patches 0009, but docs/patches/series has no patch 0009"),
+        ("test patch 0012", "cites test-patches 0012, but test-patches/series has no patch 0012"),
+    ],
+)
+def test_a_wrong_patch_number_or_slug_is_reported(tmp_path, text, expected):
+    repo = tmp_path / "repo"
+    for folder in check_series.CITED_SERIES.values():
+        shutil.copytree(folder, repo / folder.relative_to(REPO))
+    (repo / "NOTES.md").write_text(CITING + text + "\n")
+    citing = repo / "patches" / "0018-cpu-16-mixed-is-float16.patch"
+    citing.write_text(CITING + text + "\n" + citing.read_text())
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "."], check=True)
+    problems = check_series.check_citations(repo)
+    if expected is None:
+        assert problems == []
+    else:  # in the Markdown and in the patch's header
+        assert len(problems) == 2, problems
+        assert problems[0].startswith("NOTES.md:6 ")
+        assert problems[1].startswith("patches/0018-cpu-16-mixed-is-float16.patch:6 ")
+        for part in (expected,) if isinstance(expected, str) else expected:
+            assert all(part in problem for problem in problems), (part, problems)
+
+
+def test_a_citation_on_a_line_a_patch_adds_is_read_and_on_its_context_not():
+    text = "Description: patch 0030\n\n--- a/src/x.py\n+++ b/src/x.py\n@@ -1,2 +1,2 @@\n patch 0031\n"
+    text += "-patch 0033\n+patch 0032\n"
+    found = check_series.citations(check_series.cited_text(text, patch=True))
+    assert [(line, number) for line, _, number, _ in found] == [(1, "0030"), (8, "0032")]
