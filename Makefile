@@ -74,7 +74,8 @@ mutation-check: setup
 	$(PY) tests/mutation_check.py
 
 ## demo: the fork against PyTorch's AMP recipe in 32 / bf16-mixed / 16-mixed, manual and automatic; its own lighter
-##       setup: torch, the fork and stock 2.6.6 built from this checkout, matplotlib (no test or docs tools)
+##       setup: torch, the fork and stock 2.6.6 built from this checkout, matplotlib, and pytest for the tests' oracle
+##       the demo runs through (tests/amp_oracle; no docs tools)
 $(VENV)/.demo-deps: requirements/demo.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(NUMPY),"$(NUMPY)") -r requirements/demo.txt

@@ -32,9 +32,13 @@ What is compared
     ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``: float16 autocast with a real gradient scaler,
     whose scale grows until float16 overflows and steps get skipped.
 
+    The runs and their comparison are the test suite's oracle (``tests/amp_oracle``): the recipe's side is a
+    ``RecipeRun``, the Trainer's is ``fit_lightning``, and ``differences`` compares the two ``Run`` s.
+
 What it prints
     For every run, the largest absolute difference of its final parameters (student and teacher) from the recipe's,
-    whether they are bitwise equal (0 is the fork's promise), and the final loss (the trained student's MSE on the whole
+    whether the run is the recipe's bit for bit (the oracle's comparison: parameters, loss scale and skipped steps; 0
+    and yes are the fork's promise), and the final loss (the trained student's MSE on the whole
     data set, in float32). The plot goes to ``artifacts/amp_demo.png``: manual optimization only (automatic equals the
     recipe in both packages), the loss curves where stock leaves the recipe (SGD and Adafactor under 16-mixed, Muon
     under bf16-mixed) and, for bf16-mixed, each run's largest distance from the recipe's parameters after each step.
@@ -78,18 +82,23 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+# both sides and the comparison are the test suite's oracle (tests/amp_oracle), which is no installed package
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+from amp_oracle.run import RecipeRun, Run, differences  # noqa: E402
+from amp_oracle.trainer import FORK, STOCK, fit_lightning, lightning_api  # noqa: E402
+from amp_oracle.world import new_scaler, params_differ, uses_scaler  # noqa: E402
+
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-AMP_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 MODES = ("manual", "automatic")
 #: label -> importable package: the fork, and the unpatched upstream release as the negative control
-PACKAGES = {"fork": "lightning", "stock": "stock_pytorch_lightning"}
+PACKAGES = {"fork": FORK, "stock": STOCK}
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "Adafactor": lambda params: torch.optim.Adafactor(params, lr=0.01),
@@ -102,14 +111,15 @@ STEPS = 320  # 20 epochs; small matrices keep float16 (slow on a CPU) as fast as
 CLIP_NORM = 1.0
 EMA_DECAY = 0.9
 CONSISTENCY = 0.5
-#: a power of two (scaling is exact) that doubles every 20 iterations until float16 overflows
-INIT_SCALE, GROWTH_INTERVAL = 2.0**12, 20
+#: the gradient scaler (16-mixed only): a power of two (scaling is exact) that doubles every 20 iterations until float16
+#: overflows
+SCALER = {"init_scale": 2.0**12, "growth_interval": 20}
 
 DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "artifacts" / "amp_demo.png"  # artifacts/ of the checkout
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# what both sides share: data, network, optimizer, scaler (what a user writes once)
+# what both sides share: data, network, optimizers (what a user writes once)
 # ---------------------------------------------------------------------------------------------------------------------
 
 Batch = tuple[Tensor, Tensor]
@@ -191,56 +201,45 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def make_optimizer(name: str, model: StudentTeacher) -> torch.optim.Optimizer:
-    return OPTIMIZERS[name](model.student.parameters())
-
-
-def make_scaler(precision: str) -> torch.amp.GradScaler:
-    """A CPU gradient scaler, enabled for 16-mixed only (``GradScaler()`` without a device means CUDA)."""
-    return torch.amp.GradScaler(
-        "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, enabled=precision == "16-mixed"
-    )
-
-
 @torch.no_grad()
-def final_loss(model: StudentTeacher, dataset: list[Batch]) -> float:
+def final_loss(run: Run, dataset: list[Batch]) -> float:
     """The trained student's MSE on the whole data set, in float32."""
+    model = StudentTeacher()
+    model.load_state_dict(run.params)
     x, y = (torch.cat(t) for t in zip(*dataset))
     return F.mse_loss(model.student(x), y).item()
 
 
+def max_abs_diff(run: Run, reference: Run) -> float:
+    """The largest |parameter - recipe|: 0 where bitwise equal, NaN if a parameter went NaN."""
+    return torch.tensor([0.0, *params_differ(run.params, reference.params).values()]).max().item()
+
+
 @dataclass
-class Run:
-    """One training run and what came out of it."""
+class Row:
+    """A line of the table: one run (the oracle's ``Run``, whose ``records`` are the losses) and what the demo shows."""
 
     optimizer: str
     precision: str
     package: str  # "torch" for the recipe, else a key of PACKAGES
     mode: str  # "recipe", "manual" or "automatic"
-    losses: list[float] = field(default_factory=list)
-    params: dict[str, Tensor] = field(default_factory=dict)
+    run: Run | None = None  # None if it failed with `error`
     final_loss: float = math.nan
     error: str | None = None
-    #: the recipe's parameters after each step (bf16-mixed only: the plot's distance panel)
-    trajectory: list[Tensor] = field(default_factory=list)
-    #: a Lightning run's largest |parameter - recipe| after each step (bf16-mixed only)
+    #: a Lightning run's largest |parameter - recipe| after each step (bf16-mixed only: the plot's distance panel)
     distances: list[float] = field(default_factory=list)
 
     @property
     def label(self) -> str:
         return "PyTorch AMP recipe" if self.package == "torch" else f"{self.package}, {self.mode}"
 
-    def finish(self, model: StudentTeacher, dataset: list[Batch]) -> Run:
-        self.params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        self.final_loss = final_loss(model, dataset)
-        return self
+    @property
+    def losses(self) -> list[float]:
+        return self.run.records
 
-    def max_abs_diff(self, reference: Run) -> float:
-        diffs = [(p - reference.params[name]).abs().max() for name, p in self.params.items()]
-        return torch.stack(diffs).max().item()  # NaN if any parameter went NaN
-
-    def bitwise_equal(self, reference: Run) -> bool:
-        return self.error is None and all(torch.equal(p, reference.params[n]) for n, p in self.params.items())
+    def differences(self, reference: Row) -> list[str]:
+        """What differs from the recipe's run (the oracle's comparison: parameters bitwise, scales, skipped steps)."""
+        return [self.error] if self.error is not None else differences(self.run, reference.run)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,13 +255,13 @@ def flat_params(model: StudentTeacher) -> Tensor:
 
 
 def train_with_recipe(optimizer_name: str, precision: str, dataset: list[Batch], steps: int, on_step: OnStep) -> Run:
-    run = Run(optimizer_name, precision, package="torch", mode="recipe")
     model = StudentTeacher()
-    optimizer = make_optimizer(optimizer_name, model)
-    scaler = make_scaler(precision)  # when disabled: scale/unscale_/update do nothing, step() is optimizer.step()
-    dtype = AMP_DTYPES[precision]
-    for x, y in training_batches(dataset, steps):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+    optimizer = OPTIMIZERS[optimizer_name](model.student.parameters())
+    # a CPU scaler, disabled but for 16-mixed: then scale/unscale_/update do nothing, step() is optimizer.step()
+    scaler = new_scaler(enabled=uses_scaler(precision), **SCALER)
+    rc = RecipeRun(model, precision, scaler=scaler, data=training_batches(dataset, steps))
+    for _, (x, y) in rc.batches():
+        with rc.autocast():  # torch.autocast("cpu", dtype=torch.bfloat16 or torch.float16); none in 32
             loss = model.loss(x, y)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -271,9 +270,9 @@ def train_with_recipe(optimizer_name: str, precision: str, dataset: list[Batch],
         scaler.step(optimizer)  # skipped if the gradients hold an inf or a NaN
         scaler.update()
         model.update_teacher()
-        run.losses.append(loss.item())
+        rc.records.append(loss.item())
         on_step(model)
-    return run.finish(model, dataset)
+    return rc.result()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -281,53 +280,22 @@ def train_with_recipe(optimizer_name: str, precision: str, dataset: list[Batch],
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def load_lightning(package: str) -> SimpleNamespace:
-    """``Trainer``, ``MixedPrecision`` and this demo's ``LightningModule`` class, from ``package``."""
-    if package == "lightning":
-        import lightning.pytorch as pl
-        from lightning.pytorch.plugins.precision import MixedPrecision
-    else:
-        import stock_pytorch_lightning as pl
-        from stock_pytorch_lightning.plugins.precision import MixedPrecision
-    return SimpleNamespace(Trainer=pl.Trainer, MixedPrecision=MixedPrecision, Module=lightning_module_class(pl))
+def manual_step(self, batch, batch_idx):
+    """The ``training_step`` of manual optimization, as the Lightning docs say: no autocast, no scaler."""
+    loss = self.net.loss(*batch)  # Lightning runs `training_step` under autocast
+    self.records.append(loss.item())
+    optimizer = self.optimizers()
+    self.manual_backward(loss)
+    self.clip_gradients(optimizer, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    self.net.update_teacher()
 
 
-def lightning_module_class(pl) -> type:
-    """The demo's ``LightningModule``, written once against the API of the package ``pl``."""
-
-    class StudentTeacherModule(pl.LightningModule):
-        def __init__(self, optimizer_name: str, automatic: bool, on_step: OnStep) -> None:
-            super().__init__()
-            self.model = StudentTeacher()
-            self.optimizer_name = optimizer_name
-            self.automatic_optimization = automatic
-            self.losses: list[float] = []
-            self._on_step = on_step
-
-        def configure_optimizers(self):
-            return make_optimizer(self.optimizer_name, self.model)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = self.model.loss(x, y)  # Lightning runs `training_step` under autocast
-            self.losses.append(loss.item())
-            if self.automatic_optimization:
-                return loss  # Lightning does backward, clipping (`gradient_clip_val`) and the step
-
-            optimizer = self.optimizers()
-            self.manual_backward(loss)
-            self.clip_gradients(optimizer, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self.model.update_teacher()
-            return None
-
-        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-            if self.automatic_optimization:
-                self.model.update_teacher()  # after the optimizer step, as in manual optimization
-            self._on_step(self.model)
-
-    return StudentTeacherModule
+def automatic_step(self, batch, batch_idx):
+    loss = self.net.loss(*batch)
+    self.records.append(loss.item())
+    return loss  # Lightning does backward, clipping (`gradient_clip_val`) and the step
 
 
 def train_with_lightning(
@@ -339,31 +307,30 @@ def train_with_lightning(
     steps: int,
     on_step: OnStep,
 ) -> Run:
-    label = next(label for label, name in PACKAGES.items() if name == package)
-    run = Run(optimizer_name, precision, package=label, mode=mode)
-    api = load_lightning(package)
-    trainer_args = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 1,  # one pass over the `steps` batches the recipe sees, one optimizer step each
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    if mode == "automatic":
-        trainer_args.update(gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
-    if precision == "16-mixed":
-        # `precision="16-mixed"` alone would silently become bf16 on a CPU
-        trainer_args["plugins"] = [api.MixedPrecision("16-mixed", "cpu", scaler=make_scaler(precision))]
-    else:
-        trainer_args["precision"] = "32-true" if precision == "32" else precision
-    module = api.Module(optimizer_name, automatic=mode == "automatic", on_step=on_step)
+    automatic = mode == "automatic"
+
+    class AfterStep(lightning_api(package).Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if automatic:
+                module.net.update_teacher()  # after the optimizer step, as in manual optimization
+            on_step(module.net)
+
+    clip = {"gradient_clip_val": CLIP_NORM, "gradient_clip_algorithm": "norm"} if automatic else {}
     # `batch_size=None`: the loader hands out the prepared batches as they are, in order
     loader = torch.utils.data.DataLoader(training_batches(dataset, steps), batch_size=None, shuffle=False)
-    api.Trainer(**trainer_args).fit(module, train_dataloaders=loader)
-    run.losses = module.losses
-    return run.finish(module.model, dataset)
+    return fit_lightning(
+        package,
+        precision,
+        StudentTeacher(),
+        lambda net: [OPTIMIZERS[optimizer_name](net.student.parameters())],
+        automatic_step if automatic else manual_step,
+        automatic=automatic,
+        # as a `MixedPrecision` plugin: `precision="16-mixed"` alone would silently become bf16 on a CPU
+        scaler=new_scaler(**SCALER) if uses_scaler(precision) else None,
+        loader=loader,
+        callbacks=(AfterStep(),),
+        **clip,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -374,22 +341,22 @@ def train_with_lightning(
 TABLE_ROW = "{:<10} {:<11} {:<16} {:>21} {:>8} {:>11}"
 
 
-def print_table(recipes: dict[tuple[str, str], Run], runs: list[Run]) -> None:
+def print_table(recipes: dict[tuple[str, str], Row], rows: list[Row]) -> None:
     header = TABLE_ROW.format("optimizer", "precision", "run", "max |param - recipe|", "bitwise", "final loss")
     print(header)
     print("-" * len(header))
     for (optimizer, precision), reference in recipes.items():
         print(TABLE_ROW.format(optimizer, precision, "recipe (torch)", "", "", f"{reference.final_loss:.5f}"))
-        for run in runs:
-            if (run.optimizer, run.precision) != (optimizer, precision):
+        for row in rows:
+            if (row.optimizer, row.precision) != (optimizer, precision):
                 continue
-            name = f"{run.package} {run.mode}"
-            if run.error is not None:
-                print(f"{'':<10} {'':<11} {name:<16} failed: {run.error}")
+            name = f"{row.package} {row.mode}"
+            if row.error is not None:
+                print(f"{'':<10} {'':<11} {name:<16} failed: {row.error}")
                 continue
-            equal = "yes" if run.bitwise_equal(reference) else "NO"
-            diff = run.max_abs_diff(reference)
-            print(TABLE_ROW.format("", "", name, f"{diff:.3g}", equal, f"{run.final_loss:.5f}"))
+            equal = "NO" if row.differences(reference) else "yes"
+            diff = max_abs_diff(row.run, reference.run)
+            print(TABLE_ROW.format("", "", name, f"{diff:.3g}", equal, f"{row.final_loss:.5f}"))
     print("fork = this repository's `lightning`; stock = `stock_pytorch_lightning` 2.6.6, unpatched.")
     print("0 is the promise: every run of the fork equals the recipe bit for bit.")
     print(
@@ -427,7 +394,7 @@ CAPTION = (
 )
 
 
-def save_plot(recipes: dict[tuple[str, str], Run], runs: list[Run], path: Path) -> None:
+def save_plot(recipes: dict[tuple[str, str], Row], runs: list[Row], path: Path) -> None:
     import textwrap
 
     import matplotlib
@@ -531,7 +498,7 @@ def _measurer(reference: list[Tensor], distances: list[float], bar: tqdm) -> OnS
     return on_step
 
 
-def _progress(tty: bool, start: float, run: Run) -> None:
+def _progress(tty: bool, start: float, run: Row) -> None:
     if not tty:
         print(f"[{time.perf_counter() - start:5.0f} s] {run.optimizer} {run.precision} {run.label}", flush=True)
 
@@ -552,13 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fork: lightning {lightning.__version__} from {Path(lightning.__file__).parent}; torch {torch.__version__}")
 
     optimizers = args.optimizer or list(OPTIMIZERS)
-    packages = ["lightning"] if args.no_stock else list(PACKAGES.values())
+    packages = ["fork"] if args.no_stock else list(PACKAGES)
     settings = [(optimizer, precision) for optimizer in optimizers for precision in PRECISIONS]
     lightning_jobs = [(o, p, package, mode) for o, p in settings for package in packages for mode in MODES]
     dataset = make_dataset()
 
-    recipes: dict[tuple[str, str], Run] = {}
-    runs: list[Run] = []
+    recipes: dict[tuple[str, str], Row] = {}
+    trajectories: dict[tuple[str, str], list[Tensor]] = {}  # the recipe's parameters after each step (bf16-mixed)
+    runs: list[Row] = []
     start = time.perf_counter()
     total = (len(settings) + len(lightning_jobs)) * args.steps
     # a progress bar on a terminal; in a log (no TTY), one line per run instead of a bar's redraws
@@ -566,27 +534,28 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, unit="step", desc="training", mininterval=0.25, dynamic_ncols=True, disable=not tty) as bar:
         for optimizer, precision in settings:
             bar.set_postfix_str(f"{optimizer} {precision} recipe")
-            trajectory: list[Tensor] = []
+            trajectory = trajectories[(optimizer, precision)] = []
             on_step = _recorder(trajectory, bar) if precision == "bf16-mixed" else (lambda model: bar.update())
-            recipes[(optimizer, precision)] = run = train_with_recipe(optimizer, precision, dataset, args.steps, on_step)
-            run.trajectory = trajectory
-            _progress(tty, start, run)
+            run = train_with_recipe(optimizer, precision, dataset, args.steps, on_step)
+            row = recipes[(optimizer, precision)] = Row(optimizer, precision, "torch", "recipe", run)
+            row.final_loss = final_loss(run, dataset)
+            _progress(tty, start, row)
         for optimizer, precision, package, mode in lightning_jobs:
             bar.set_postfix_str(f"{optimizer} {precision} {package} {mode}")
             steps_before = bar.n
             distances: list[float] = []
-            on_step = _measurer(recipes[(optimizer, precision)].trajectory, distances, bar)
+            on_step = _measurer(trajectories[(optimizer, precision)], distances, bar)
+            row = Row(optimizer, precision, package, mode, distances=distances)
             try:
-                run = train_with_lightning(package, optimizer, precision, mode, dataset, args.steps, on_step)
+                run = train_with_lightning(PACKAGES[package], optimizer, precision, mode, dataset, args.steps, on_step)
+                row.run, row.final_loss = run, final_loss(run, dataset)
             except Exception as err:  # shown in the table; a failing fork run fails the demo below
-                if package == "lightning":
+                if package == "fork":
                     tqdm.write(traceback.format_exc())
-                label = next(label for label, name in PACKAGES.items() if name == package)
-                run = Run(optimizer, precision, package=label, mode=mode, error=f"{type(err).__name__}: {err}")
+                row.error = f"{type(err).__name__}: {err}"
                 bar.update(args.steps - (bar.n - steps_before))
-            run.distances = distances
-            runs.append(run)
-            _progress(tty, start, run)
+            runs.append(row)
+            _progress(tty, start, row)
     elapsed = time.perf_counter() - start
 
     print()
@@ -594,10 +563,14 @@ def main(argv: list[str] | None = None) -> int:
     save_plot(recipes, runs, args.plot)
     print(f"\n{len(recipes) + len(runs)} runs of {args.steps} steps in {elapsed:.0f} s; loss curves: {args.plot}")
 
-    failed = [r for r in runs if r.package == "fork" and not r.bitwise_equal(recipes[(r.optimizer, r.precision)])]
+    failed: dict[str, list[str]] = {}  # what the oracle finds in each run of the fork that is not the recipe's
+    for row in (r for r in runs if r.package == "fork"):
+        if found := row.differences(recipes[(row.optimizer, row.precision)]):
+            failed[f"{row.optimizer} {row.precision} {row.mode}"] = found
     if failed:
-        names = ", ".join(f"{r.optimizer} {r.precision} {r.mode}" for r in failed)
-        print(f"FAIL: the fork differs from PyTorch's AMP recipe in: {names}")
+        print(f"FAIL: the fork differs from PyTorch's AMP recipe in: {', '.join(failed)}")
+        for name, found in failed.items():
+            print(f"  {name}:\n    " + "\n    ".join(found))
         return 1
     print("OK: every run of the fork is bitwise equal to PyTorch's AMP recipe.")
     return 0
