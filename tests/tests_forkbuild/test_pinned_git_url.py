@@ -1,5 +1,7 @@
-"""The README's pinned install lines work: ``pip install "lightning @ git+URL@<tag>"`` (the form of requirements files)
-and ``uv add "lightning @ git+URL@<tag>"``, whose ``uv.lock`` works anywhere.
+"""The README's pinned install lines work as printed: ``pip install "lightning @ git+URL@<commit>"`` (the form of
+requirements files) and ``uv add "lightning @ git+URL@<commit>"``, whose ``uv.lock`` works anywhere. The commit the
+README pins is one of this repository's history (an ancestor of HEAD: tags made in a working copy may not travel to the
+repository's ``main``, so the README names none), and the fork builds from it.
 
 pip builds a named requirement in ``pip-install-*/lightning_<hex>`` (not in ``pip-req-build-*`` as for a bare URL);
 the wheel built there must name its companion by the same URL and commit, or pip finds no ``pytorch-lightning``.
@@ -18,6 +20,7 @@ fast (a few seconds: two pure-Python builds and no torch).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -27,13 +30,12 @@ from typing import Optional
 import pytest
 
 from forkbuild import upstream
-from forkbuild.pin import Pin
+from forkbuild.pin import ROOT, Pin
 
 #: lightning's and pytorch-lightning's dependencies from the package index, overridden away (see the docstring)
 INDEX_DEPENDENCIES = (
     "torch", "torchmetrics", "fsspec", "lightning-utilities", "pyyaml", "tqdm", "packaging", "typing-extensions",
 )  # fmt: skip
-TAG = "v2.6.6+amp.1"  # the form of the fork's release tags
 
 
 def _uv() -> Optional[str]:
@@ -47,11 +49,51 @@ pytestmark = [
 ]
 
 
+def readme_pins(readme: Path = ROOT / "README.md") -> list[str]:
+    """The refs the README's install lines pin (``lightning @ git+<repository URL>@<ref>``), in order."""
+    section = readme.read_text(encoding="utf-8").partition("\n## Install\n")[2].partition("\n## ")[0]
+    return re.findall(r'"lightning @ git\+<repository URL>@([^"\s]+)"', section)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def _pinned_commit_of_this_repository() -> str:
+    """The commit the README pins, checked to be in this repository's history (skips outside a full git clone)."""
+    pins = readme_pins()
+    assert pins and len(set(pins)) == 1, f"the README's install lines pin {pins}: one commit, the same in each form"
+    commit = pins[0]
+    assert re.fullmatch(r"[0-9a-f]{40}", commit), f"the README pins {commit!r}, not a full commit hash"
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip(f"{ROOT} is not a full git clone: the pinned commit's history cannot be checked")
+    assert _git("cat-file", "-e", f"{commit}^{{commit}}").returncode == 0, f"the README pins {commit}: no such commit"
+    is_ancestor = _git("merge-base", "--is-ancestor", commit, "HEAD").returncode
+    assert is_ancestor == 0, f"the README pins {commit}, which is not in HEAD's history"
+    return commit
+
+
+def test_the_readme_pins_a_commit_of_this_repositorys_history() -> None:
+    _pinned_commit_of_this_repository()
+
+
+def test_the_readmes_commit_builds(helpers, pin: Pin, upstream_dir: Path, tmp_path: Path) -> None:
+    """pip, as the README's first line runs it, at the README's commit of this repository (offline)."""
+    commit = _pinned_commit_of_this_repository()
+    url = "git+file://localhost" + ROOT.as_posix()
+    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
+    done = helpers.pip_wheel(f"lightning @ {url}@{commit}", tmp_path / "out", env)
+    assert done.returncode == 0, done.stdout
+    wheel = helpers.only_wheel(tmp_path / "out", pin)
+    metadata = helpers.wheel_files(wheel)[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
+    assert f"Requires-Dist: pytorch-lightning @ {url}@{commit}#subdirectory=packaging/pytorch-lightning" in metadata
+
+
 def _git_repo(helpers, dest: Path) -> str:
-    """A committed, tagged copy of the build inputs; returns the commit."""
+    """A committed copy of the build inputs; returns the commit."""
     repo = helpers.copy_build_inputs(dest)
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"], ["tag", TAG]):
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
         subprocess.run(git + args, check=True, capture_output=True)
     return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
 
@@ -68,18 +110,18 @@ def _project(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("installer", ["pip", "newest-pip"])
-def test_pip_named_requirement_at_a_tag(
+def test_pip_named_requirement_at_a_commit(
     request, helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, installer: str
 ) -> None:
     commit = _git_repo(helpers, tmp_path / "repo")
     url = "git+file://localhost" + (tmp_path / "repo").as_posix()  # the form pip 23 accepts for a local path
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
     if installer == "pip":  # the test environment's pip
-        done = helpers.pip_wheel(f"lightning @ {url}@{TAG}", tmp_path / "out", env)
+        done = helpers.pip_wheel(f"lightning @ {url}@{commit}", tmp_path / "out", env)
     else:
         (tmp_path / "out").mkdir()
         pip = request.getfixturevalue("newest_pip") / "pip"
-        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{TAG}", "--no-deps", "--no-cache-dir", "-w",
+        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{commit}", "--no-deps", "--no-cache-dir", "-w",
                    str(tmp_path / "out")]  # fmt: skip
         done = subprocess.run(command, env=env, cwd=tmp_path / "out", stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=300)  # fmt: skip
@@ -102,11 +144,12 @@ def _installed(project: Path, distribution: str) -> str:
     return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
-@pytest.mark.parametrize("ref", ["", f"@{TAG}"], ids=["url", "url-at-tag"])
+@pytest.mark.parametrize("at_commit", [False, True], ids=["url", "url-at-commit"])
 def test_uv_lock_names_the_given_url_and_syncs_after_the_cache_is_gone(
-    helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, ref: str
+    helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, at_commit: bool
 ) -> None:
     commit = _git_repo(helpers, tmp_path / "repo")
+    ref = f"@{commit}" if at_commit else ""
     url = (tmp_path / "repo").as_uri()  # file:///...: what a user's https URL is to uv and git
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir), "UV_CACHE_DIR": str(tmp_path / "cache")})
     env.update(UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1")
