@@ -121,8 +121,8 @@ def test_pip_named_requirement_at_a_commit(
     else:
         (tmp_path / "out").mkdir()
         pip = request.getfixturevalue("newest_pip") / "pip"
-        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{commit}", "--no-deps", "--no-cache-dir", "-w",
-                   str(tmp_path / "out")]  # fmt: skip
+        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{commit}", "--no-deps", "--no-cache-dir",
+                   "-w", str(tmp_path / "out")]  # fmt: skip
         done = subprocess.run(command, env=env, cwd=tmp_path / "out", stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout
