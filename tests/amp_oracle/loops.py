@@ -56,6 +56,40 @@ def recipe_clip(*algorithms: str) -> Callable:
 recipe_plain = recipe_clip()
 
 
+def recipe_one_optimizer(
+    loss: Callable = mlp_loss,
+    *,
+    set_to_none: bool = True,
+    before: Optional[Callable] = None,
+    backward_at: Callable[[int], bool] = lambda batch_idx: True,
+    before_step: Optional[Callable] = None,
+    after_update: Optional[Callable] = None,
+) -> Callable:
+    """The single-optimizer recipe with a user's variations in their places, per batch: ``before(rc, x, y)`` (a
+    forward or a weight edit of its own), ``opt.zero_grad(set_to_none=...)``, ``loss(net, x, y)`` under autocast with
+    the inf injected and its scaled backward (only where ``backward_at(batch_idx)``), ``before_step(rc, opt) -> bool``
+    (unscale, clip, a guard: ``False`` skips the step, the update runs all the same), the step, the update,
+    ``after_update(rc)``."""
+
+    def recipe(rc: RecipeRun, opts: list) -> None:
+        (opt,) = opts
+        for i, (x, y) in rc.batches():
+            if before is not None:
+                before(rc, x, y)
+            opt.zero_grad(set_to_none=set_to_none)
+            if backward_at(i):
+                with rc.autocast():
+                    loss_i = rc.inject(loss(rc.net, x, y), i)
+                rc.scaler.scale(loss_i).backward()
+            if before_step is None or before_step(rc, opt):
+                rc.scaler.step(opt)
+            rc.scaler.update()
+            if after_update is not None:
+                after_update(rc)
+
+    return recipe
+
+
 def recipe_accumulate(rc: RecipeRun, opts: list) -> None:
     # a step every 2nd batch on the sum of two halved losses; no update() in batches without a step
     (opt,) = opts

@@ -1,6 +1,6 @@
 """The differential corpus: every scenario through PyTorch's recipe, the fork and stock 2.6.6.
 
-The scenarios are in ``tests_pytorch/helpers/amp_scenarios.py``: the usage patterns (mid-iteration
+The scenarios are in ``amp_oracle/scenarios.py``: the usage patterns (mid-iteration
 checkpoints and resuming from them, a step in ``on_train_epoch_end``, a guard that skips non-finite steps,
 ``zero_grad(set_to_none=False)``, an optimizer clipped every batch but stepped every second, gradient surgery and
 gradient penalties on ``autograd.grad`` of the scaled loss, ``loss.backward()`` misuse, the raw optimizer's step, a
@@ -24,18 +24,10 @@ import math
 
 import pytest
 import torch
+from amp_oracle.run import assert_same_run
+from amp_oracle.scenarios import CELLS, EQUAL, MISSING, SCENARIOS, assert_outcome, lightning_outcome, recipe_outcome
 from amp_oracle.trainer import FORK, STOCK, quiet_trainer, stock_is_unpatched
 from amp_oracle.world import uses_scaler
-from tests_pytorch.helpers.amp_scenarios import (
-    CELLS,
-    EQUAL,
-    MISSING,
-    SCENARIOS,
-    assert_follows,
-    assert_outcome,
-    lightning_outcome,
-    recipe_outcome,
-)
 
 
 @pytest.fixture(autouse=True)
@@ -60,28 +52,31 @@ def test_fork(cell):
     )
 
 
-STOCK_CELLS = [cell for cell in CELLS if _split(cell)[0].stock[_split(cell)[1]] != MISSING]
+def _on_stock(cell: str):
+    scenario, precision = _split(cell)
+    return scenario.expected(precision, stock=True)
+
+
+STOCK_CELLS = [cell for cell in CELLS if _on_stock(cell) != MISSING]
 
 
 @needs_stock
 @pytest.mark.parametrize("cell", STOCK_CELLS)
 def test_stock(cell):
     scenario, precision = _split(cell)
-    assert_outcome(
-        lightning_outcome(STOCK, scenario.name, precision), scenario.stock[precision], scenario.name, precision
-    )
+    assert_outcome(lightning_outcome(STOCK, scenario.name, precision), _on_stock(cell), scenario.name, precision)
 
 
 @needs_stock
-@pytest.mark.parametrize("cell", [cell for cell in STOCK_CELLS if _split(cell)[0].stock[_split(cell)[1]] == EQUAL])
+@pytest.mark.parametrize("cell", [cell for cell in STOCK_CELLS if _on_stock(cell) == EQUAL])
 def test_fork_equals_stock(cell):
     scenario, precision = _split(cell)
     stock = lightning_outcome(STOCK, scenario.name, precision)
     assert stock.error is None, f"stock raised {stock.error!r}"
-    assert_follows(stock.run, recipe_outcome(scenario.name, precision), scenario.records)
+    assert_same_run(stock.run, recipe_outcome(scenario.name, precision), records=scenario.records)
     fork = lightning_outcome(FORK, scenario.name, precision)
     assert fork.error is None, f"stock follows the recipe, the fork raised {type(fork.error).__name__}: {fork.error}"
-    assert_follows(fork.run, stock.run, scenario.records)
+    assert_same_run(fork.run, stock.run, records=scenario.records)
 
 
 @pytest.mark.parametrize("cell", [cell for cell in CELLS if _split(cell)[0].recipe is not None])

@@ -40,6 +40,7 @@ from amp_oracle.loops import (
     recipe_clip,
     recipe_gan,
     recipe_multi_step,
+    recipe_one_optimizer,
     recipe_plain,
     recipe_two_optimizers,
 )
@@ -121,16 +122,7 @@ def _teacher_student_loss(net: TeacherStudent, x: torch.Tensor, y: torch.Tensor)
     return F.mse_loss(out, y) + F.mse_loss(out, target)
 
 
-def recipe_teacher(rc: RecipeRun, opts: list) -> None:
-    (opt,) = opts
-    for i, (x, y) in rc.batches():
-        opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(_teacher_student_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        rc.scaler.step(opt)
-        rc.scaler.update()
-        rc.net.update_teacher()
+recipe_teacher = recipe_one_optimizer(_teacher_student_loss, after_update=lambda rc: rc.net.update_teacher())
 
 
 # --------------------------------------------------------------------------------------------------------------------
