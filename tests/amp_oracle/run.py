@@ -57,6 +57,8 @@ class Run:
     state: Optional[list[dict[str, Any]]] = None
     #: per step, a copy of every gradient where the step reads it
     grads: Optional[list[dict[str, torch.Tensor]]] = None
+    #: per batch: did the optimizer state change (a skipped step must leave it alone)
+    state_changed: Optional[list[bool]] = None
 
 
 #: ``(actual, expected) -> None`` if they are the same, else what differs
@@ -92,12 +94,22 @@ def _tensor_dicts(what: str, actual: dict[str, Any], expected: dict[str, Any], c
     return out
 
 
-def differences(actual: Run, expected: Run, *, records: bool = False, check: TensorCheck = bitwise) -> list[str]:
+def differences(
+    actual: Run,
+    expected: Run,
+    *,
+    records: bool = False,
+    check: TensorCheck = bitwise,
+    grad_check: Optional[TensorCheck] = None,
+) -> list[str]:
     """What differs between Lightning's run (``actual``) and the recipe's (``expected``), empty when they agree: the
     scale after every batch, what changed and what was skipped per batch, the parameters (bitwise unless ``check``
-    says otherwise); the optimizer states and gradients where both runs kept them; the records with ``records`` (by
-    ``repr``: floats compare exactly and a NaN equals a NaN)."""
+    says otherwise); the optimizer states, the batches that changed them and the gradients (by ``grad_check``, default
+    ``check``) where both runs kept them; the records with ``records`` (by ``repr``: floats compare exactly and a NaN
+    equals a NaN)."""
     out = []
+    if None not in (actual.state_changed, expected.state_changed) and actual.state_changed != expected.state_changed:
+        out.append(f"optimizer state changed per batch: {actual.state_changed} != recipe {expected.state_changed}")
     if actual.scales != expected.scales:
         out.append(f"scale trajectory: {actual.scales} != recipe {expected.scales}")
     if actual.changed != expected.changed:
@@ -116,15 +128,22 @@ def differences(actual: Run, expected: Run, *, records: bool = False, check: Ten
         if len(actual.grads) != len(expected.grads):
             out.append(f"{len(actual.grads)} steps read gradients, recipe {len(expected.grads)}")
         for i, (a, e) in enumerate(zip(actual.grads, expected.grads)):
-            out += _tensor_dicts(f"gradients at step {i}", a, e, check)
+            out += _tensor_dicts(f"gradients at step {i}", a, e, grad_check or check)
     if records and repr(actual.records) != repr(expected.records):
         out.append(f"records: {actual.records} != recipe {expected.records}")
     return out
 
 
-def assert_same_run(actual: Run, expected: Run, *, records: bool = False, check: TensorCheck = bitwise) -> None:
+def assert_same_run(
+    actual: Run,
+    expected: Run,
+    *,
+    records: bool = False,
+    check: TensorCheck = bitwise,
+    grad_check: Optional[TensorCheck] = None,
+) -> None:
     """Lightning's run (``actual``) equals the recipe's (``expected``): :func:`differences` finds nothing."""
-    found = differences(actual, expected, records=records, check=check)
+    found = differences(actual, expected, records=records, check=check, grad_check=grad_check)
     assert not found, "the run differs from the recipe:\n  " + "\n  ".join(found)
 
 

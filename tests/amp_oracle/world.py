@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
 
-from amp_oracle.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler
+from amp_oracle.torch_features import GradScaler, cpu_grad_scaler, cuda_grad_scaler, optimizer
 
 #: the MLP: ``IN_FEATURES -> HIDDEN -> OUT_FEATURES``, fp32 parameters
 IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
@@ -301,7 +301,25 @@ class NestedAutocastNet(nn.Module):
         return self.out(h)
 
 
-def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+#: the optimizers of the fused matrix and of DDP (:mod:`amp_oracle.fused`, :mod:`amp_oracle.ddp`), by name: each has a
+#: fused implementation and a for-loop one (``make_optimizer(name, params, fused=...)``)
+IMPL_OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "Adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.0}),
+    "SGD": (torch.optim.SGD, {"lr": 0.1}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "SGD-dampening": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}),
+}
+
+
+def make_optimizer(name: str, params: Any, fused: Optional[bool] = None) -> torch.optim.Optimizer:
+    """The Trainer suite's ``SGD`` (with momentum) or ``AdamW``, torch's default implementation; with ``fused``, one of
+    :data:`IMPL_OPTIMIZERS`, fused (``True``) or the for-loop implementation (``False``: ``foreach=False`` spelled out,
+    the reference path)."""
+    if fused is not None:
+        cls, settings = IMPL_OPTIMIZERS[name]
+        return optimizer(cls, params, **settings, **({"fused": True} if fused else {"fused": False, "foreach": False}))
     if name == "SGD":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if name == "AdamW":
@@ -315,13 +333,13 @@ def trainable(net: nn.Module) -> list[torch.Tensor]:
 
 
 
-def one_optimizer(net: nn.Module, name: str) -> list[torch.optim.Optimizer]:
-    return [make_optimizer(name, trainable(net))]
+def one_optimizer(net: nn.Module, name: str, fused: Optional[bool] = None) -> list[torch.optim.Optimizer]:
+    return [make_optimizer(name, trainable(net), fused)]
 
 
-def two_optimizers(net: nn.Sequential, name: str) -> list[torch.optim.Optimizer]:
+def two_optimizers(net: nn.Sequential, name: str, fused: Optional[bool] = None) -> list[torch.optim.Optimizer]:
     # first layer and last layer, fed by one loss and one backward
-    return [make_optimizer(name, net[0].parameters()), make_optimizer(name, net[2].parameters())]
+    return [make_optimizer(name, net[0].parameters(), fused), make_optimizer(name, net[2].parameters(), fused)]
 
 
 def gan_optimizers(net: GAN, name: str) -> list[torch.optim.Optimizer]:

@@ -6,34 +6,39 @@ for unfused optimizers; fused ``SGD`` with momentum survives a skipped first ste
 own ``step()`` gets a clear error when its gradients must be clipped.
 
 The matrix trains a tiny MLP through the Trainer and through a hand-written PyTorch AMP loop
-(``tests_pytorch/helpers/amp_fused.py`` explains both and what they record).
+(``amp_oracle/fused.py`` explains both and what they record).
 """
+
+import math
+from dataclasses import replace
 
 import pytest
 import torch
-from amp_oracle.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
-from amp_oracle.trainer import STOCK, quiet_trainer
-from amp_oracle.world import CLIP_NORM, CLIP_VALUE, INIT_SCALE, inf_batch, optimizer_params
-from tests_pytorch.helpers.amp_fused import (
+from amp_oracle.fused import (
     BITWISE,
     CLIPS,
     MODES,
+    NET_SEED,
     OPTIMIZERS,
-    PRECISIONS,
     Tolerance,
-    assert_grads_match,
-    assert_params_match,
-    assert_runs_match,
-    assert_skips_exactly,
-    assert_trajectory_matches,
-    cached_lightning_run,
-    cached_recipe_run,
-    lightning_api,
+    cached_run,
     lightning_run,
-    make_batches,
     recipe_run,
-    scale_exponents,
     uninitialised_memory_is_nan,
+)
+from amp_oracle.run import Run, assert_same_run
+from amp_oracle.torch_features import OptState, requires_cpu_16_mixed, requires_cpu_fused
+from amp_oracle.trainer import FORK, STOCK, lightning_api, quiet_trainer
+from amp_oracle.world import (
+    CLIP_NORM,
+    CLIP_VALUE,
+    INIT_SCALE,
+    MIXED_PRECISIONS,
+    inf_batch,
+    mlp,
+    named_params,
+    optimizer_params,
+    uses_scaler,
 )
 
 
@@ -67,22 +72,43 @@ STATELESS = {"SGD"}
 
 def _assert_recipe_is_sharp(recipe, precision, clip):
     """The reference run exercises what it claims: every finite step really clipped, the injected inf was skipped."""
-    finite = [s for s in recipe.clip_seen if s == s and s != float("inf")]
+    assert all(algorithm == clip for algorithm, _ in recipe.records)
+    finite = [s for _, s in recipe.records if s == s and s != float("inf")]
     if clip == "norm":
-        assert len(finite) == len(recipe.batches) - (precision == "16-mixed")
+        assert len(finite) == len(recipe.changed) - (precision == "16-mixed")
         assert min(finite) > 2 * CLIP_NORM, f"clip by norm does not clip: total norms {finite}"
     elif clip == "value":
-        assert len(finite) == len(recipe.batches) - (precision == "16-mixed")
+        assert len(finite) == len(recipe.changed) - (precision == "16-mixed")
         assert min(finite) > 2 * CLIP_VALUE, f"clip by value does not clip: max |grad| {finite}"
     else:
-        assert recipe.clip_seen == []
+        assert recipe.records == []
     inf_at = inf_batch(precision)
-    assert recipe.skipped == [i == inf_at for i in range(len(recipe.batches))]
+    assert recipe.changed == [i != inf_at for i in range(len(recipe.changed))]
+
+
+def _assert_skips_exactly(run: Run, precision: str, inf_at, stateful: bool) -> None:
+    """The injected inf skipped its step completely (weights and optimizer state untouched, scale halved); every other
+    step updated the weights (and the state, for an optimizer that has one), and grew the scale."""
+    scales = [INIT_SCALE, *run.scales] if uses_scaler(precision) else [None] * (len(run.changed) + 1)
+    for i, (before, after) in enumerate(zip(scales, scales[1:])):
+        if i == inf_at:
+            assert not run.changed[i], f"batch {i} (inf): the weights changed"
+            assert not run.state_changed[i], f"batch {i} (inf): the optimizer state changed"
+            assert after == before / 2, f"batch {i} (inf): scale {before} -> {after}"
+        else:
+            assert run.changed[i], f"batch {i}: the weights did not change"
+            assert run.state_changed[i] == stateful, f"batch {i}: optimizer state changed: {run.state_changed[i]}"
+            if uses_scaler(precision):
+                assert after == before * 2, f"batch {i}: scale {before} -> {after}"
+            else:
+                assert run.scales is None
+    for p in run.params.values():
+        assert torch.isfinite(p).all()
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("clip", CLIPS)
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", MIXED_PRECISIONS)
 @pytest.mark.parametrize("fused", [False, True], ids=["forloop", "fused"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_fused_optimizer_matrix(optimizer, fused, precision, clip, mode):
@@ -90,19 +116,19 @@ def test_fused_optimizer_matrix(optimizer, fused, precision, clip, mode):
     gradients seen by ``on_before_optimizer_step``, scale trajectory, skipped steps); the injected inf skips its step
     completely; and a fused optimizer equals its for-loop twin within ``FUSED_TOLERANCE``, with the same scale
     trajectory, the same skipped steps and bitwise the same gradients in the hook, i.e. true, unscaled ones."""
-    run = cached_lightning_run(optimizer, fused, precision, clip, mode)
-    recipe = cached_recipe_run(optimizer, fused, precision, clip, mode)
+    run = cached_run("lightning", optimizer, fused, precision, clip, mode)
+    recipe = cached_run("recipe", optimizer, fused, precision, clip, mode)
     _assert_recipe_is_sharp(recipe, precision, clip)
 
-    assert_runs_match(run, recipe, BITWISE, grad_tol=BITWISE)
-    assert_skips_exactly(run, precision, inf_batch(precision), stateful=optimizer not in STATELESS)
+    assert_same_run(run, recipe, check=BITWISE)
+    _assert_skips_exactly(run, precision, inf_batch(precision), stateful=optimizer not in STATELESS)
     if precision == "16-mixed":
         # growth every step (growth_interval=1), one back-off at the inf
-        assert scale_exponents(run) == [11, 12, 11, 12, 13, 14]
+        assert [int(math.log2(s)) for s in run.scales] == [11, 12, 11, 12, 13, 14]
 
     if fused:
-        forloop = cached_lightning_run(optimizer, False, precision, clip, mode)
-        assert_runs_match(run, forloop, FUSED_TOLERANCE[optimizer], grad_tol=BITWISE)
+        forloop = cached_run("lightning", optimizer, False, precision, clip, mode)
+        assert_same_run(run, forloop, check=FUSED_TOLERANCE[optimizer], grad_check=BITWISE)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -120,12 +146,13 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step(start, mode):
     forloop = lightning_run("SGD-momentum", False, "16-mixed", "none", mode, **kwargs)
     recipe = recipe_run("SGD-momentum", False, "16-mixed", "none", mode, **kwargs)
 
-    assert fused.skipped[0], "the first step was not skipped: the test would prove nothing"
-    assert not all(fused.skipped)
-    assert_runs_match(forloop, recipe, BITWISE, grad_tol=BITWISE)
+    assert not fused.changed[0], "the first step was not skipped: the test would prove nothing"
+    assert any(fused.changed)
+    assert_same_run(forloop, recipe, check=BITWISE)
     # the only difference allowed: the skipped first step left zero momentum buffers where for-loop SGD has none yet
-    assert_runs_match(fused, forloop, FUSED_TOLERANCE["SGD-momentum"], grad_tol=BITWISE, state_changes=False)
-    assert [b.state_changed for b in fused.batches] == [True] + [b.state_changed for b in forloop.batches[1:]]
+    tolerance = FUSED_TOLERANCE["SGD-momentum"]
+    assert_same_run(replace(fused, state_changed=None), forloop, check=tolerance, grad_check=BITWISE)
+    assert fused.state_changed == [True] + forloop.state_changed[1:]
     for p in fused.params.values():
         assert torch.isfinite(p).all()
 
@@ -140,33 +167,31 @@ def test_raw_torch_fused_sgd_momentum_breaks_on_a_skipped_first_step(start):
     with uninitialised_memory_is_nan():
         raw = recipe_run("SGD-momentum", True, "16-mixed", "none", "automatic", **kwargs)
     forloop = recipe_run("SGD-momentum", False, "16-mixed", "none", "automatic", **kwargs)
-    assert raw.skipped[0]
+    assert not raw.changed[0]
     assert all(torch.isnan(buf["momentum_buffer"]).all() for buf in raw.state), "torch initialised the buffers"
     assert not any(torch.isfinite(p).any() for p in raw.params.values())
     with pytest.raises(AssertionError, match="parameters differ"):
-        assert_params_match(raw, forloop, FUSED_TOLERANCE["SGD-momentum"])
+        assert_same_run(raw, forloop, check=FUSED_TOLERANCE["SGD-momentum"])
 
 
-def _fit_until_error(module, trainer):
-    before = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+def _fit_until_error(optimizer: str, fused: bool, clip: str, mode: str) -> None:
+    net = mlp(NET_SEED)
+    before = named_params(net)
     try:
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(make_batches(), batch_size=None))
+        lightning_run(optimizer, fused, "16-mixed", clip, mode, inf_at=None, net=net)
     finally:
-        for n, p in module.net.named_parameters():
+        for n, p in net.named_parameters():
             assert torch.equal(p, before[n]), f"{n} changed before the error"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_sgd_with_dampening_is_refused_before_any_step(mode):
     """Zero buffers are not exact with dampening (for-loop SGD's first step does not dampen), so it is an error."""
-    api = lightning_api("lightning")
-    module = api.FusedModule("SGD-dampening", True, "none", mode, inf_at=None)
-    trainer = api.make_trainer("16-mixed", "none", mode)
     with pytest.raises(ValueError, match=r"SGD\(fused=True, momentum=0.9, dampening=0.1\).*dampening=0"):
-        _fit_until_error(module, trainer)
+        _fit_until_error("SGD-dampening", True, "none", mode)
 
 
-class _UnscaleAgainInHook(lightning_api("lightning").pl.Callback):
+class _UnscaleAgainInHook(lightning_api(FORK).Callback):
     """A double unscale where the hook can see it: the gradients are divided by the scale a second time."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -175,7 +200,7 @@ class _UnscaleAgainInHook(lightning_api("lightning").pl.Callback):
         torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), inv_scale)
 
 
-class _KernelUnscalesAgain(lightning_api("lightning").pl.Callback):
+class _KernelUnscalesAgain(lightning_api(FORK).Callback):
     """torch 1.13's bug, the reason upstream stopped unscaling fused optimizers: after ``unscale_``, ``scaler.step``
     still passed ``grad_scale`` to the fused kernel, which unscaled again. Making the scaler forget the unscale
     reproduces it; the hook then sees correct gradients, only the weights tell."""
@@ -191,17 +216,17 @@ def test_the_comparison_catches_a_double_unscale(double_unscale, optimizer):
     """Negative control for the matrix: a fused run that unscales twice fails the very checks the matrix makes. Adam is
     the hard case: nearly invariant to the gradients' scale (only ``eps`` notices), yet the tolerance catches it."""
     bad = lightning_run(optimizer, True, "16-mixed", "none", "automatic", callbacks=(double_unscale(),))
-    recipe = cached_recipe_run(optimizer, True, "16-mixed", "none", "automatic")
-    forloop = cached_lightning_run(optimizer, False, "16-mixed", "none", "automatic")
+    recipe = cached_run("recipe", optimizer, True, "16-mixed", "none", "automatic")
+    forloop = cached_run("lightning", optimizer, False, "16-mixed", "none", "automatic")
     # the sabotage breaks neither the trajectory nor the skipped step: only the values tell
-    assert_trajectory_matches(bad, forloop)
+    assert (bad.scales, bad.changed, bad.state_changed) == (forloop.scales, forloop.changed, forloop.state_changed)
     with pytest.raises(AssertionError, match="parameters differ"):
-        assert_params_match(bad, forloop, FUSED_TOLERANCE[optimizer])
+        assert_same_run(bad, forloop, check=FUSED_TOLERANCE[optimizer], grad_check=BITWISE)
     with pytest.raises(AssertionError, match="parameters differ"):
-        assert_params_match(bad, recipe, BITWISE)
+        assert_same_run(bad, recipe, check=BITWISE)
     if double_unscale is _UnscaleAgainInHook:
-        with pytest.raises(AssertionError, match="gradient of .* seen at step 0 differs"):
-            assert_grads_match(bad, forloop, BITWISE)
+        with pytest.raises(AssertionError, match=r"gradients at step 0\["):
+            assert_same_run(bad, forloop, check=BITWISE)
     else:
         # the hook saw true gradients at the first step; the kernel then unscaled them again
         for name, g in bad.grads[0].items():
@@ -220,11 +245,8 @@ SELF_UNSCALING_ERROR = (
 def test_optimizer_unscaling_inside_its_step_cannot_be_clipped(clip, mode):
     """The guard that remains: an optimizer of the old ``grad_scaler=`` protocol unscales inside ``step()``, so its
     gradients cannot be unscaled before it without being unscaled twice. Clipping them is refused, before any step."""
-    api = lightning_api("lightning")
-    module = api.FusedModule("SelfUnscalingSGD", False, clip, mode, inf_at=None)
-    trainer = api.make_trainer("16-mixed", clip, mode)
     with pytest.raises(RuntimeError, match=SELF_UNSCALING_ERROR):
-        _fit_until_error(module, trainer)
+        _fit_until_error("SelfUnscalingSGD", False, clip, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -235,8 +257,7 @@ def test_optimizer_unscaling_inside_its_step_trains_without_clipping(mode):
     with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
         run = lightning_run("SelfUnscalingSGD", False, "16-mixed", "none", mode)
     recipe = recipe_run("SGD-momentum", False, "16-mixed", "none", mode)
-    assert_trajectory_matches(run, recipe)
-    assert_params_match(run, recipe, BITWISE)
+    assert_same_run(replace(run, grads=None), recipe, check=BITWISE)
     for name, g in run.grads[0].items():
         assert torch.equal(g, recipe.grads[0][name] * INIT_SCALE)
 
@@ -247,7 +268,7 @@ def test_optimizer_unscaling_inside_its_step_trains_without_clipping(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", MIXED_PRECISIONS)
 def test_stock_lightning_refuses_to_clip_fused_optimizers(precision, mode):
     """Stock 2.6.6 raises when a fused optimizer is clipped, even under bf16-mixed where there is no scaler at all;
     the fork's matrix above clips them (bf16-mixed and 16-mixed cells with ``clip != 'none'``)."""
@@ -259,8 +280,8 @@ def test_stock_lightning_hook_sees_scaled_gradients_of_fused_optimizers():
     """Stock 2.6.6 does not unscale fused optimizers before ``on_before_optimizer_step``: the hook sees gradients
     multiplied by the loss scale, and the matrix's gradient check would catch it."""
     stock = lightning_run("Adam", True, "16-mixed", "none", "automatic", package=STOCK)
-    recipe = cached_recipe_run("Adam", True, "16-mixed", "none", "automatic")
-    with pytest.raises(AssertionError, match="gradient of .* seen at step 0 differs"):
-        assert_grads_match(stock, recipe, BITWISE)
+    recipe = cached_run("recipe", "Adam", True, "16-mixed", "none", "automatic")
+    with pytest.raises(AssertionError, match=r"gradients at step 0\["):
+        assert_same_run(stock, recipe, check=BITWISE)
     for name, g in stock.grads[0].items():
         assert torch.equal(g, recipe.grads[0][name] * INIT_SCALE)
