@@ -5,9 +5,9 @@
     python -m forkbuild series-check --tests none     (claims, then each prefix builds and imports)
     python -m forkbuild series-check --claims-only
 
-1. **Claims.** Each of our own files (``src/**``, ``tests/tests_pytorch/**``, ``tests/tests_fabric/**``) is added by
-   exactly one patch, named in its header's ``Adds:`` field (one path a line), or listed in ``patches/fork-only`` (the
-   fork's packaging tests, which upstream does not need). Each upstream test patch (``upstream/test-patches/``)
+1. **Claims.** Each of our own files (``src/**``, ``tests/amp_oracle/**``, ``tests/tests_pytorch/**``,
+   ``tests/tests_fabric/**``) is added by exactly one patch, named in its header's ``Adds:`` field (one path a
+   line), or listed in ``patches/fork-only`` (the fork's packaging tests, which upstream does not need). Each upstream test patch (``upstream/test-patches/``)
    names, in ``Accompanies:``, the patch whose behaviour change it follows (or ``none``).
 2. **Written once, where it ends up.** The series is what the wheel ships: no patch removes a line that an earlier
    patch added (a rewrite or a move), at most ``--max-churn`` (5 %) of the added lines. Each patch's DEP-3
@@ -53,7 +53,7 @@ from forkbuild.series import (
     unclaimed,
 )
 
-OWN = ("src", "tests/tests_pytorch", "tests/tests_fabric")
+OWN = ("src", "tests/amp_oracle", "tests/tests_pytorch", "tests/tests_fabric")
 MAX_CHURN = 0.05
 PYTEST_INI = """[pytest]
 addopts = -ra --strict-markers --import-mode=importlib -p no:cacheprovider
