@@ -109,7 +109,7 @@ GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 ## gpu-check: on a machine with one CUDA GPU, the fork against stock 2.6.6 and torch's AMP recipe on CUDA (the two user
 ##   reports, equivalence, cost per step, the misuse watch) in at most 8 minutes -> artifacts/gpu-check.md and .json;
-##   without CUDA it says so in one line and exits 0 (benchmarks/README.md: the report's format)
+##   without CUDA it says so in one line and exits 0 (benchmarks/gpu_check_report.py: the report's format)
 gpu-check:
 	@if $(PYTHON) benchmarks/gpu_check.py --probe; then \
 	  $(if $(GPU_PYTHON),,$(MAKE) setup TORCH="$(GPU_TORCH)" VENV="$(GPU_VENV)" && ) \

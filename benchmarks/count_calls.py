@@ -12,9 +12,11 @@ optimization, by hand elsewhere); over steps 16-45 (30 steady-state steps) it co
 - **Host reads**: calls of ``Tensor.item``, ``Tensor.__bool__``, ``Tensor.__float__``, ``Tensor.__int__`` and
   ``Tensor.tolist`` (each a device synchronisation on CUDA), per step.
 
-The fork is ``lightning`` as installed; stock is the unpatched copy that ``make install`` puts beside it as
-``stock_pytorch_lightning`` / ``stock_lightning_fabric``; "recipe" is the hand-written loop of ``worker.run_raw``'s
-shape. Counts are deterministic for a given torch and Python, so one run each suffices (no rounds, no noise band).
+The fork is ``lightning`` as installed; stock is the unpatched copy that ``make setup`` puts beside it as
+``stock_pytorch_lightning`` / ``stock_lightning_fabric``, both reached and given their Trainer through the tests'
+oracle (``tests/amp_oracle``, put on ``PYTHONPATH`` for each measurement); "recipe" is ``workloads.recipe_step``,
+the hand-written loop ``worker.run_raw`` times. Counts are deterministic for a given torch and Python, so one run
+each suffices (no rounds, no noise band).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
 STEPS, FIRST, LAST = 46, 16, 46  # count over steps FIRST .. LAST - 1
 #: small shapes: the counts do not depend on the sizes, only the run time does
 SIZES = {"mlp_width": 256, "mlp_depth": 4, "mlp_batch": 8, "many_width": 8, "many_layers": 500, "many_batch": 4}
@@ -69,30 +73,20 @@ class Counter:
             setattr(torch.Tensor, name, counted)
 
 
-def _scaler(precision: str) -> Any:
-    import torch
-
-    return torch.amp.GradScaler("cpu", init_scale=2.0**10) if precision == "16-mixed" else None
-
-
-def _scheduler(opt: Any) -> Any:
-    import torch
-
-    return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.99)
-
-
 def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, clip: float) -> dict:
     """One measurement in this interpreter: ``impl`` is fork, stock or recipe."""
     import torch
-
-    sys.path.insert(0, str(HERE))
-    from workloads import build_batches, build_model, build_optimizer, manual_step, recipe_step
+    from amp_oracle.trainer import FORK, STOCK, lightning_api, make_trainer
+    from amp_oracle.world import autocast_dtype, new_scaler
+    from workloads import build_batches, build_model, build_optimizer, build_scheduler, lightning_module, recipe_step
 
     counter = Counter()
     counter.wrap_host_reads()
     torch.manual_seed(0)
     batches = build_batches(workload, SIZES, "cpu")
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
+    dtype = autocast_dtype(precision)
+    # one moderate scale that never overflows in these runs (as ``make bench``'s): no step is skipped
+    scaler = new_scaler("cpu", growth_interval=2000) if precision == "16-mixed" else None
 
     def window(step: int) -> None:
         if step == FIRST:
@@ -103,8 +97,7 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
     if impl == "recipe":
         model = build_model(workload, SIZES)
         opt = build_optimizer(model.parameters(), fused)
-        scheduler = _scheduler(opt)
-        scaler = _scaler(precision)
+        scheduler = build_scheduler(opt)
         for step in range(STEPS + 1):
             window(step)
             x, y = batches[step % len(batches)]
@@ -113,12 +106,11 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
     elif mode == "fabric":
         fabric_pkg = __import__("lightning.fabric" if impl == "fork" else "stock_lightning_fabric", fromlist=["x"])
         precision_pkg = __import__(f"{fabric_pkg.__name__}.plugins.precision", fromlist=["MixedPrecision"])
-        scaler = _scaler(precision)
         plugin = precision_pkg.MixedPrecision(precision, "cpu", scaler=scaler)
         fabric = fabric_pkg.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         model = build_model(workload, SIZES)
         model, opt = fabric.setup(model, build_optimizer(model.parameters(), fused))
-        scheduler = _scheduler(opt.optimizer)
+        scheduler = build_scheduler(opt.optimizer)
         for step in range(STEPS + 1):
             window(step)
             x, y = batches[step % len(batches)]
@@ -131,43 +123,22 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
             opt.step()
             scheduler.step()
     else:
-        pl = __import__("lightning.pytorch" if impl == "fork" else "stock_pytorch_lightning", fromlist=["x"])
-        precision_pkg = __import__(f"{pl.__name__}.plugins.precision", fromlist=["MixedPrecision"])
         from torch.utils.data import DataLoader
 
-        class Module(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = build_model(workload, SIZES)
-                self.automatic_optimization = mode == "auto"
+        api = lightning_api(FORK if impl == "fork" else STOCK)
 
-            def training_step(self, batch: Any, batch_idx: int) -> Any:
-                x, y = batch
-                if self.automatic_optimization:
-                    return self.model.loss(x, y)
-                manual_step(self, x, y, clip)
-                self.lr_schedulers().step()
-                return None
-
-            def configure_optimizers(self) -> Any:
-                opt = build_optimizer(self.parameters(), fused)
-                return {"optimizer": opt, "lr_scheduler": {"scheduler": _scheduler(opt), "interval": "step"}}
-
-        class Window(pl.Callback):
+        class Window(api.Callback):
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 window(batch_idx)
 
             def on_train_end(self, trainer: Any, pl_module: Any) -> None:
                 counter.stop()
 
-        plugin = precision_pkg.MixedPrecision(precision, "cpu", scaler=_scaler(precision))
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Window()],
-            plugins=[plugin], gradient_clip_val=clip if (clip and mode == "auto") else None,
-        )
+        module = lightning_module(api.pl, build_model(workload, SIZES), mode, fused, clip=clip, scheduler=True)
+        trainer = make_trainer(api, precision, scaler=scaler, max_steps=STEPS + 1, callbacks=[Window()],
+                               gradient_clip_val=clip if (clip and mode == "auto") else None)
         data = [batches[i % len(batches)] for i in range(STEPS + 1)]
-        trainer.fit(Module(), train_dataloaders=DataLoader(data, batch_size=None))
+        trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
     counter.stop()
     steps = LAST - FIRST
     return {
@@ -180,7 +151,8 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
 
 def run_one(impl: str, workload: str, mode: str, precision: str, fused: bool, clip: float) -> dict:
     spec = json.dumps([impl, workload, mode, precision, fused, clip])
-    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -36,10 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from gpu_check_report import build_results, write_report
 
-from gpu_check_report import build_results, write_report  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 #: the parts in order: (name, title, share of the time budget)
 PARTS = (
@@ -100,8 +99,10 @@ def run_part(python: str, name: str, device: str, dry_run: bool, timeout: float,
     log.write(f"\n===== part {name}: {' '.join(cmd)} (timeout {timeout:.0f} s)\n")
     log.flush()
     started = time.time()
-    # PYTHONPATH is kept: where no package index is reachable, the fork's wheels may be installed into a folder on it
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # tests/ for the oracle; PYTHONPATH is kept after it: where no package index is reachable, the fork's wheels may be
+    # installed into a folder on it
+    path = os.pathsep.join(filter(None, (str(HERE.parent / "tests"), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
     status, error = "ok", None
     try:

@@ -1,8 +1,24 @@
-"""The report of ``make gpu-check``: its results as ``gpu-check.md`` (tables for people) and ``gpu-check.json``.
+"""The report of ``make gpu-check``: ``gpu-check.md`` (tables for people) and ``gpu-check.json`` (every figure).
 
 Standard library only, so the driver (``gpu_check.py``) and the tests can use it without torch.
 
-The results are one dict (the JSON file's content, :data:`SCHEMA` 1)::
+``gpu-check.md`` has a header (date; ``device cuda`` or ``DRY RUN on the CPU``; seconds used of the budget), a line of
+versions (torch, CUDA, GPU, fork, stock, Python), a line of verdict counts, then per part a heading (with ``**Part
+error|timeout|skipped**`` and the reason when it did not complete) and one table::
+
+    | check        | fork             | stock                   | recipe        | verdict                        | notes |
+    | what was run | the fork's result | stock 2.6.6's, contrast | the reference | PASS / FAIL / INFO / ERROR / N/A | how |
+
+A ``fork``/``stock`` cell of a comparison with the recipe is ``bitwise`` (scale trajectory, skipped steps, every
+parameter and what the row records equal bit for bit), or what ``amp_oracle.run.differences`` finds, or ``raises
+<error>``. A verdict judges the fork only: ``PASS`` is nothing found but parameters within 1e-5 (said in the notes);
+the FSDP row on CUDA needs the recipe's scale trajectory, skipped steps and finite weights (FSDP computes in fp16
+parameters, so its weights differ from autocast's by design; the difference is in the cell). Cost rows are ``INFO``:
+``fork`` holds its median time per step and ``fork/stock`` (the median of the paired rounds' ratios, smallest and
+largest round in brackets), ``stock`` and ``recipe`` their median times; sync rows hold host synchronisations per step.
+The watch rows say ``raises <error>`` (caught) or ``trains on``.
+
+``gpu-check.json`` is one dict, :data:`SCHEMA` 1::
 
     {"schema": 1, "created": "2026-12-02 10:00 UTC", "dry_run": false, "device": "cuda",
      "budget_s": 450.0, "elapsed_s": 402.3,
@@ -15,10 +31,11 @@ The results are one dict (the JSON file's content, :data:`SCHEMA` 1)::
 
 A part's ``status``: ``ok`` (it ran to its end), ``error`` (its process failed: ``error`` says how; the rows it wrote
 before are kept), ``timeout`` (stopped at its share of the time budget; rows kept), ``skipped`` (the budget was spent).
-A row's ``verdict``: ``PASS``/``FAIL`` (a check with a criterion), ``INFO`` (a measurement without one), ``ERROR``
-(the row's own code raised: ``notes`` holds the exception), ``N/A`` (not available here: the misuse watch's switch, a
-torch feature). ``fork``/``stock``/``recipe`` are the cells of the three contenders, as text; ``data`` holds the
-row's raw figures.
+A row's ``verdict``: ``PASS``/``FAIL`` (a check with a criterion), ``INFO`` (a measurement), ``ERROR`` (the row's own
+code raised: ``notes`` holds the exception, ``data["traceback"]`` the traceback), ``N/A`` (not available here). A
+row's ``data`` holds its raw figures: per contender ``differences`` (the list) and ``passes``, or ``error``; for cost
+rows ``step_s`` (each round's median seconds per step) and ``fork_over_stock`` (the paired ratios), or
+``syncs_per_step``.
 """
 
 from __future__ import annotations
@@ -44,16 +61,6 @@ def normalise_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarise(parts: list[dict[str, Any]]) -> dict[str, int]:
-    """Rows per verdict over all parts, plus ``parts_failed``: parts whose status is not ``ok``."""
-    counts = {verdict: 0 for verdict in VERDICTS}
-    for part in parts:
-        for row in part.get("rows", []):
-            counts[row["verdict"]] += 1
-    counts["parts_failed"] = sum(part.get("status") != "ok" for part in parts)
-    return counts
-
-
 def _cell(text: Any) -> str:
     # a table cell: one line, no pipe (it would split the cell)
     return " ".join(str(text).split()).replace("|", "\\|") or "-"
@@ -61,79 +68,55 @@ def _cell(text: Any) -> str:
 
 def render_markdown(results: dict[str, Any]) -> str:
     """The markdown report: a header with the machine and versions, the summary, one table per part."""
-    versions = results.get("versions", {})
-    summary = results["summary"]
+    versions, summary = results.get("versions", {}), results["summary"]
     mode = "DRY RUN on the CPU with tiny sizes (pipeline check, not a measurement)" if results.get("dry_run") else (
-        f"device {results.get('device', '?')}"
-    )
+        f"device {results.get('device', '?')}")
     lines = [
         "# GPU check: the fork against stock Lightning 2.6.6 and PyTorch's AMP recipe",
         "",
         f"Run of {results.get('created', '?')}, {mode}; {results.get('elapsed_s', 0):.0f} s of a "
         f"{results.get('budget_s', 0):.0f} s budget.",
         "",
-        "- " + "; ".join(f"{key} {value}" for key, value in versions.items()) if versions else "- versions: unknown",
+        "- " + ("; ".join(f"{key} {value}" for key, value in versions.items()) if versions else "versions: unknown"),
         f"- verdicts: {', '.join(f'{summary[v]} {v}' for v in VERDICTS)}; parts not completed: "
         f"{summary['parts_failed']}",
         "",
         "Cells: `fork`/`stock` compare each with the hand-written recipe of the same run unless the row says otherwise "
-        "(`bitwise`: every parameter equal bit for bit; otherwise the largest absolute difference). Verdicts: PASS/FAIL "
-        "judge the fork (stock's cells are the contrast), INFO is a measurement, N/A not available here.",
+        "(`bitwise`, or what differs). Verdicts: PASS/FAIL judge the fork (stock's cells are the contrast), INFO is a "
+        "measurement, N/A not available here. The format: `benchmarks/gpu_check_report.py`.",
     ]
     for part in results["parts"]:
         lines += ["", f"## {part.get('title') or part['name']}", ""]
-        status = part.get("status", "?")
-        if status != "ok":
-            lines += [f"**Part {status}** after {part.get('elapsed_s', 0):.0f} s: {_cell(part.get('error') or '')}", ""]
-        rows = part.get("rows", [])
-        if not rows:
+        if part.get("status") != "ok":
+            lines += [f"**Part {part.get('status')}** after {part.get('elapsed_s', 0):.0f} s: "
+                      f"{_cell(part.get('error') or '')}", ""]
+        if not part.get("rows"):
             lines.append("No rows.")
             continue
         lines += ["| check | fork | stock | recipe | verdict | notes |", "| --- | --- | --- | --- | --- | --- |"]
-        for row in rows:
-            verdict = row["verdict"]
-            shown = f"**{verdict}**" if verdict in ("FAIL", "ERROR") else verdict
-            lines.append(
-                f"| {_cell(row['check'])} | {_cell(row['fork'])} | {_cell(row['stock'])} | {_cell(row['recipe'])} "
-                f"| {shown} | {_cell(row['notes'])} |"
-            )
-    lines.append("")
-    return "\n".join(lines)
+        for row in part["rows"]:
+            verdict = f"**{row['verdict']}**" if row["verdict"] in ("FAIL", "ERROR") else row["verdict"]
+            cells = [_cell(row[key]) for key in ("check", "fork", "stock", "recipe")] + [verdict, _cell(row["notes"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
-def build_results(
-    parts: list[dict[str, Any]],
-    versions: dict[str, str],
-    created: str,
-    dry_run: bool,
-    device: str,
-    budget_s: float,
-    elapsed_s: float,
-) -> dict[str, Any]:
+def build_results(parts: list[dict[str, Any]], versions: dict[str, str], created: str, dry_run: bool, device: str,
+                  budget_s: float, elapsed_s: float) -> dict[str, Any]:
     """The results dict of :data:`SCHEMA` from the parts (each ``name``, ``title``, ``status``, ``elapsed_s``,
-    ``error``, ``rows``); rows are normalised (:func:`normalise_row`) and the summary computed."""
-    clean = []
-    for part in parts:
-        status = part.get("status", "error")
-        clean.append({
-            "name": part["name"],
-            "title": part.get("title", part["name"]),
-            "status": status if status in PART_STATUSES else "error",
-            "elapsed_s": float(part.get("elapsed_s", 0.0)),
-            "error": part.get("error"),
-            "rows": [normalise_row(row) for row in part.get("rows", [])],
-        })
-    return {
-        "schema": SCHEMA,
-        "created": created,
-        "dry_run": dry_run,
-        "device": device,
-        "budget_s": float(budget_s),
-        "elapsed_s": float(elapsed_s),
-        "versions": dict(versions),
-        "parts": clean,
-        "summary": summarise(clean),
-    }
+    ``error``, ``rows``): rows normalised (:func:`normalise_row`), the verdicts counted."""
+    clean = [{
+        "name": part["name"],
+        "title": part.get("title", part["name"]),
+        "status": part.get("status") if part.get("status") in PART_STATUSES else "error",
+        "elapsed_s": float(part.get("elapsed_s", 0.0)),
+        "error": part.get("error"),
+        "rows": [normalise_row(row) for row in part.get("rows", [])],
+    } for part in parts]
+    summary = {verdict: sum(row["verdict"] == verdict for p in clean for row in p["rows"]) for verdict in VERDICTS}
+    summary["parts_failed"] = sum(part["status"] != "ok" for part in clean)
+    return {"schema": SCHEMA, "created": created, "dry_run": dry_run, "device": device, "budget_s": float(budget_s),
+            "elapsed_s": float(elapsed_s), "versions": dict(versions), "parts": clean, "summary": summary}
 
 
 def write_report(results: dict[str, Any], out_dir: Path, stem: str = "gpu-check") -> tuple[Path, Path]:

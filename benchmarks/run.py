@@ -1,14 +1,8 @@
 """Benchmark the fork against stock ``lightning==2.6.6`` and a hand-written PyTorch loop, as ratios.
 
-Usage (after ``bash benchmarks/setup.sh``, which creates ``benchmarks/.venvs/{torch,fork,stock}``)::
-
-    benchmarks/.venvs/fork/bin/python benchmarks/run.py                 # CPU: about 6 minutes on 2 cores
-    benchmarks/.venvs/fork/bin/python benchmarks/run.py --quick         # a 1-minute smoke test, not a measurement
-    benchmarks/.venvs/fork/bin/python benchmarks/run.py --device cuda   # the GPU variant (larger default sizes)
-    benchmarks/.venvs/fork/bin/python benchmarks/run.py --help          # sizes, rounds, steps, workloads
-
-The runner needs only the standard library and matplotlib; it never imports torch. Every measurement runs in the
-virtual environment of its contender (both environments load the same torch files, see ``setup.sh``):
+Usage: ``benchmarks/README.md`` (``make bench``; ``--help`` lists the sizes, rounds, steps and workloads). The runner
+needs only the standard library and matplotlib; it never imports torch. Every measurement runs in the virtual
+environment of its contender (both load the same torch files, see ``setup.sh``):
 
 * ``fork``: the fork's ``lightning`` (``benchmarks/.venvs/fork``);
 * ``stock``: upstream's ``lightning==2.6.6`` (``benchmarks/.venvs/stock``);
@@ -39,18 +33,7 @@ Workloads (sizes by flag, defaults per device in ``benchmarks/sizes.py``), all t
   ``fused=True``. On a CPU, 16-mixed is ``plugins=[MixedPrecision("16-mixed", "cpu",
   scaler=torch.amp.GradScaler("cpu"))]`` (the ``precision`` flag alone would silently become bf16).
 
-What is measured (details in ``benchmarks/worker.py``)
-    * Step time: the duration of one whole training iteration, from the start of one to the start of the next (in
-      Lightning two consecutive ``on_train_batch_start`` hooks, seen by a Callback; in the raw loop two loop heads).
-      It covers the Trainer's own per-batch work (hooks, the precision plugin's per-iteration bookkeeping, fetching
-      the next batch) and none of its start-up or tear-down. The first ``--warmup`` iterations are dropped; a run's
-      figure is the median of the next ``--steps``. On CPU the process's CPU time per iteration is recorded too. On
-      CUDA, free-running runs are timed with CUDA events.
-    * Peak memory: the growth of the peak from the start of training (model and optimizer built) to its end: on CPU
-      the process's peak resident set (Linux's ``VmHWM``, reset at the start), on CUDA
-      ``torch.cuda.max_memory_allocated``. Every measurement runs in a fresh process: on CPU a child forked from a
-      per-environment server that has already imported torch and Lightning (``worker.py --serve``), on CUDA a new
-      interpreter (``--isolation``).
+What is measured (step time, peak memory, each in a fresh process): ``worker.py``'s docstring.
 
 How the contenders are interleaved, and what is reported
     ``--rounds`` rounds. In each, the runs of one workload (fork, stock and raw; for the MLP all its rows of one
@@ -82,10 +65,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from sizes import DEFAULT_SIZES
 
-from sizes import DEFAULT_SIZES  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 CONTENDERS = ("fork", "stock", "raw")
 # the table's ratio columns, in order: (metric, denominator) of fork/denominator

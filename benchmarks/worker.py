@@ -43,8 +43,7 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import build_batches, build_model, build_optimizer, manual_step, recipe_step  # noqa: E402
+from workloads import build_batches, build_model, build_optimizer, lightning_module, recipe_step
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -226,23 +225,6 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
     workload, sizes, fused, foreach = spec["workload"], spec["sizes"], spec["fused"], spec.get("foreach")
     clock, meter = StepClock(device, gate), MemoryMeter(device)
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = build_model(workload, sizes)
-            self.automatic_optimization = mode == "auto"
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            if self.automatic_optimization:
-                return self.model.loss(x, y)
-            manual_step(self, x, y, clip)
-            return None
-
-        def configure_optimizers(self):
-            return build_optimizer(self.parameters(), fused, foreach)
-
     class Clock(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             meter.start()
@@ -253,17 +235,11 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
         def on_train_end(self, trainer, pl_module) -> None:
             self.mem = meter.stop()
 
-    # the fork's autocast weight cache, when the spec sets it (stock has no such argument: its cache is always off)
-    cache = {} if spec.get("cache_enabled") is None else {"cache_enabled": spec["cache_enabled"]}
     timer = Clock()
     total = spec["warmup"] + spec["steps"] + 1
-    kwargs: dict = {}
-    if precision == "16-mixed":
-        kwargs["plugins"] = [MixedPrecision("16-mixed", device, scaler=_scaler(device), **cache)]
-    elif cache:
-        kwargs["plugins"] = [MixedPrecision(precision, device, **cache)]
-    else:
-        kwargs["precision"] = precision
+    kwargs: dict = {"precision": precision}
+    if precision == "16-mixed":  # a scaler of the benchmark's settings (on a CPU the flag alone would become bf16)
+        kwargs = {"plugins": [MixedPrecision("16-mixed", device, scaler=_scaler(device))]}
     if clip and mode == "auto":
         kwargs["gradient_clip_val"] = clip
     trainer = pl.Trainer(
@@ -280,7 +256,9 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
         callbacks=[timer],
         **kwargs,
     )
-    trainer.fit(Module(), train_dataloaders=_loader(build_batches(workload, sizes, device), total))
+    torch.manual_seed(0)
+    module = lightning_module(pl, build_model(workload, sizes), mode, fused, foreach, clip)
+    trainer.fit(module, train_dataloaders=_loader(build_batches(workload, sizes, device), total))
     plugin = trainer.precision_plugin
     return {
         "times": clock.intervals(),

@@ -1,21 +1,18 @@
-"""The benchmark's models and data, shared by the Lightning runs and the hand-written PyTorch loop.
+"""The benchmarks' models and data, shared by the Lightning runs and the hand-written PyTorch loop of ``make bench``
+(``worker.py``), ``count_calls.py`` and the cost part of ``make gpu-check`` (``gpu_check_parts.py``).
 
-Only torch is imported here, so the module loads the same in the fork's and in the stock virtual environment. Each
-workload is a small ``nn.Module`` whose ``loss(x, y)`` is the whole forward pass (what runs under autocast), plus a
-builder for its batches. Sizes come from a plain dict (see ``DEFAULT_SIZES`` and ``benchmarks/run.py --help``).
+Only torch is imported here, so the module loads the same in the fork's and in the stock virtual environment (which
+hold neither pytest nor the tests' oracle). Each workload is a small ``nn.Module`` whose ``loss(x, y)`` is the whole
+forward pass (what runs under autocast), plus a builder for its batches. Sizes come from a plain dict (see
+``sizes.DEFAULT_SIZES`` and ``benchmarks/run.py --help``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from contextlib import nullcontext
 
 import torch
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from sizes import DEFAULT_SIZES  # noqa: F401  (re-exported for the worker)
 
 
 class MLP(nn.Module):
@@ -90,6 +87,20 @@ class ManyLayers(nn.Module):
         return nn.functional.mse_loss(h.float(), y)
 
 
+class Transformer(nn.Module):
+    """``layers`` pre-norm encoder layers (``d`` wide, 4 heads) over ``[batch, seq, d]``, regressing the last token."""
+
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, d)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.head(self.encoder(x)[:, -1]).float(), y)
+
+
 def build_model(workload: str, sizes: dict) -> nn.Module:
     if workload == "mlp":
         return MLP(sizes["mlp_width"], sizes["mlp_depth"])
@@ -101,6 +112,8 @@ def build_model(workload: str, sizes: dict) -> nn.Module:
         return UnrolledRNN(sizes["rnn_hidden"])
     if workload == "many":
         return ManyLayers(sizes["many_width"], sizes["many_layers"])
+    if workload == "transformer":
+        return Transformer(sizes["transformer_d"], sizes["transformer_layers"])
     raise ValueError(f"unknown workload {workload!r}")
 
 
@@ -116,6 +129,9 @@ def build_batches(workload: str, sizes: dict, device: str, count: int = 8) -> li
     elif workload == "rnn":
         hidden, batch = sizes["rnn_hidden"], sizes["rnn_batch"]
         x_shape, y_shape = (sizes["rnn_steps"], batch, hidden), (batch, hidden)
+    elif workload == "transformer":
+        d, batch = sizes["transformer_d"], sizes["transformer_batch"]
+        x_shape, y_shape = (batch, sizes["transformer_seq"], d), (batch, d)
     else:
         raise ValueError(f"unknown workload {workload!r}")
     return [
@@ -132,13 +148,17 @@ def build_optimizer(params, fused: bool, foreach: bool | None = None) -> torch.o
     return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
 
 
+def build_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The step-interval scheduler of the runs that have one (``count_calls.py``, the GPU check's cost rows)."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.99)
+
+
 def recipe_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, x: torch.Tensor, y: torch.Tensor,
                 device: str, dtype, clip: float) -> None:
     """One iteration of PyTorch's AMP recipe, written out: autocast around the forward pass and loss only (``dtype``
     None: no autocast); with a ``scaler`` (16-mixed) ``scaler.scale(loss).backward()``, ``scaler.unscale_`` before
-    clipping, ``scaler.step``, ``scaler.update``."""
-    from contextlib import nullcontext
-
+    clipping, ``scaler.step``, ``scaler.update``. Lean on purpose, for timing and counting: the oracle's
+    ``RecipeRun`` (``tests/amp_oracle``) records every batch, which would be measured with it."""
     opt.zero_grad(set_to_none=True)
     with torch.autocast(device, dtype=dtype) if dtype is not None else nullcontext():
         loss = model.loss(x, y)
@@ -156,13 +176,38 @@ def recipe_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, x: torch.T
         opt.step()
 
 
-def manual_step(module, x: torch.Tensor, y: torch.Tensor, clip: float) -> None:
-    """One manual-optimization ``training_step`` of a LightningModule whose ``model`` is a workload: zero the
-    gradients, ``manual_backward``, clip by norm (``clip`` > 0), step."""
-    opt = module.optimizers()
-    opt.zero_grad()
-    loss = module.model.loss(x, y)
-    module.manual_backward(loss)
-    if clip:
-        module.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-    opt.step()
+def lightning_module(pl, model: nn.Module, mode: str, fused: bool, foreach: bool | None = None, clip: float = 0.0,
+                     scheduler: bool = False):
+    """A ``LightningModule`` of ``pl`` (the fork's ``lightning.pytorch`` or stock's) training the workload ``model``
+    with :func:`build_optimizer`: ``mode`` ``"auto"`` returns the loss (clipping, if any, is the Trainer's
+    ``gradient_clip_val``), ``"manual"`` zeroes, ``manual_backward`` s, clips by norm (``clip`` > 0) and steps; with
+    ``scheduler`` a step-interval :func:`build_scheduler` (stepped by Lightning in automatic optimization, by the
+    ``training_step`` in manual)."""
+
+    class Workload(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.automatic_optimization = mode == "auto"
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.automatic_optimization:
+                return self.model.loss(x, y)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.model.loss(x, y))
+            if clip:
+                self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            opt.step()
+            if scheduler:
+                self.lr_schedulers().step()
+            return None
+
+        def configure_optimizers(self):
+            opt = build_optimizer(self.parameters(), fused, foreach)
+            if not scheduler:
+                return opt
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": build_scheduler(opt), "interval": "step"}}
+
+    return Workload()
