@@ -8,13 +8,12 @@ One ``LightningModule`` (:class:`RecipeModule`), trained over the same fixed bat
   ``self.manual_backward`` (which Fabric routes to ``fabric.backward``) and ``opt.step()``;
 * under the Trainer, in automatic optimization (``gradient_clip_val``) and in manual optimization
   (``self.manual_backward``, ``self.clip_gradients``);
-* and, as the reference for both, the hand-written PyTorch AMP recipe (``tests_fabric/helpers/amp_fabric.py``).
+* and, as the reference for both, the hand-written PyTorch AMP recipe (``amp_oracle/fabric.py``).
 
 In 32-true, bf16-mixed and 16-mixed (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", ...))``, a
 power-of-two initial scale, ``growth_interval=1``, an inf injected into one batch's loss), with for-loop and fused
-AdamW, with and without clipping by norm, everything is compared **bitwise**, no tolerance: parameters, the scale that
-scaled every batch's loss, the final scale, and per batch whether the step was skipped (``opt.step_was_skipped`` on both
-sides).
+AdamW, with and without clipping by norm, everything is compared **bitwise**, no tolerance: parameters, the scale after
+every batch, and per batch whether the step was skipped (``opt.step_was_skipped`` on both sides).
 
 Two things about Fabric shape the tests (both are stock Fabric 2.6.6 behaviour, not the fork's):
 
@@ -34,7 +33,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_oracle.fabric import NET_SEED, Cell, assert_cell_is_sharp, make_fabric, recipe_run
+from amp_oracle.run import Run, assert_same_run
 from amp_oracle.torch_features import autocast_enabled
+from amp_oracle.trainer import lightning_api, make_trainer
 from amp_oracle.world import (
     BATCH_SIZE,
     CLIP_NORM,
@@ -42,25 +44,16 @@ from amp_oracle.world import (
     INF_BATCH,
     N_BATCHES,
     OUT_FEATURES,
+    PRECISIONS,
     inject_inf,
+    make_optimizer,
+    mlp,
     new_scaler,
     params_differ,
     uses_scaler,
 )
-from tests_fabric.helpers.amp_fabric import (
-    PRECISIONS,
-    Cell,
-    Run,
-    assert_recipe_is_sharp,
-    assert_same_run,
-    make_fabric,
-    make_net,
-    make_optimizer,
-    recipe_run,
-)
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import MixedPrecision
 
 MODES = ("automatic", "manual")
 
@@ -110,7 +103,7 @@ class RecipeModule(pl.LightningModule):
 
     def __init__(self, cell: Cell, automatic: bool, scaler=None) -> None:
         super().__init__()
-        self.net = make_net()
+        self.net = mlp(NET_SEED)
         self.cell = cell
         self.automatic_optimization = automatic
         self.scaler = scaler
@@ -154,10 +147,10 @@ class RecipeModule(pl.LightningModule):
 
 
 def _result(module: RecipeModule, final_scale) -> Run:
+    """The run of ``module``: the scale after each batch is the one that scaled the next, then ``final_scale``."""
     return Run(
         params={name: p.detach().clone() for name, p in module.net.named_parameters()},
-        scales=module.scales if module.scaler is not None else None,
-        final_scale=final_scale,
+        scales=module.scales[1:] + [final_scale] if module.scaler is not None else None,
         skipped=[(flag,) for flag in module.skipped],
         # a step changes the weights exactly when it is not skipped (asserted on the recipe side)
         changed=[(not flag,) for flag in module.skipped],
@@ -208,25 +201,11 @@ def fabric_run(cell: Cell, automatic: bool, route: str = "autocast", dyadic: boo
     return _result(module, final_scale)
 
 
+@functools.cache
 def trainer_run(cell: Cell, automatic: bool, dyadic: bool = True) -> Run:
     scaler = new_scaler() if uses_scaler(cell.precision) else None
-    kwargs = {}
-    if scaler is not None:
-        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
-    else:
-        kwargs["precision"] = "32-true" if cell.precision == "32" else cell.precision
-    if automatic and cell.clip == "norm":
-        kwargs.update(gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    clip = {"gradient_clip_val": CLIP_NORM, "gradient_clip_algorithm": "norm"} if cell.clip == "norm" else {}
+    trainer = make_trainer(lightning_api("lightning"), cell.precision, scaler=scaler, **(clip if automatic else {}))
     module = RecipeModule(cell, automatic, scaler)
     trainer.fit(module, train_dataloaders=Batches(dyadic))
     assert len(module.skipped) == N_BATCHES
@@ -241,11 +220,6 @@ CELLS = [
 ]
 
 
-@functools.cache
-def cached_trainer_run(cell: Cell, automatic: bool) -> Run:
-    return trainer_run(cell, automatic)
-
-
 @pytest.mark.parametrize("route", ["autocast", "forward"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
@@ -255,8 +229,8 @@ def test_fabric_and_trainer_agree(cell, mode, route):
     Trainer leaves autocast for them); with these ops on CPU that makes no numerical difference."""
     automatic = mode == "automatic"
     recipe = recipe_run(cell, make_batches())
-    assert_recipe_is_sharp(recipe, cell)
-    under_trainer = cached_trainer_run(cell, automatic)
+    assert_cell_is_sharp(recipe, cell)
+    under_trainer = trainer_run(cell, automatic)
     assert_same_run(under_trainer, recipe)
     assert_same_run(fabric_run(cell, automatic, route), under_trainer)
 
@@ -280,13 +254,13 @@ def test_training_step_under_fabric_runs_under_autocast(precision):
 @pytest.mark.parametrize("mode", MODES)
 def test_fabric_and_trainer_agree_calling_training_step_plainly(precision, mode):
     cell = Cell(precision, "AdamW", False, "norm")
-    assert_same_run(fabric_run(cell, mode == "automatic", "plain"), cached_trainer_run(cell, mode == "automatic"))
+    assert_same_run(fabric_run(cell, mode == "automatic", "plain"), trainer_run(cell, mode == "automatic"))
 
 
 def test_the_comparison_is_sharp():
     """A change a user could make by mistake shows: clipping on one side only moves the weights."""
     clipped = fabric_run(Cell("16-mixed", "AdamW", True, "norm"), automatic=False)
-    unclipped = cached_trainer_run(Cell("16-mixed", "AdamW", True, "none"), automatic=False)
+    unclipped = trainer_run(Cell("16-mixed", "AdamW", True, "none"), automatic=False)
     assert clipped.scales == unclipped.scales
     assert params_differ(clipped.params, unclipped.params)
 

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
+from amp_oracle.fabric import make_fabric
 from amp_oracle.torch_features import requires_cpu_16_mixed
 from amp_oracle.world import new_scaler
-from tests_fabric.helpers.amp_fabric import make_fabric
 from torch import nn
 
 pytestmark = requires_cpu_16_mixed

@@ -1,9 +1,8 @@
 """Fabric follows PyTorch's AMP recipe (promises 3-7, 9 and 10 of the fork's design).
 
 Every cell trains a tiny MLP through a hand-written Fabric loop and through the hand-written PyTorch AMP recipe and
-compares parameters bitwise, the scale that scaled every batch's loss, the scale after the last update and, per batch
-and optimizer, whether the step was skipped (``tests_fabric/helpers/amp_fabric.py`` explains both loops). The cells
-cover:
+compares parameters bitwise, the scale after every batch, the norms clipping returned and, per batch and optimizer,
+whether the step was skipped (``amp_oracle/fabric.py`` explains both loops). The cells cover:
 
 1. ``fabric.clip_gradients`` by norm and by value, fused and for-loop ``AdamW``/``Adam``/``SGD(momentum)``, in
    32-true, bf16-mixed and 16-mixed (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", ...))``);
@@ -27,34 +26,33 @@ from unittest import mock
 
 import pytest
 import torch
+from amp_oracle.fabric import (
+    CLIPS,
+    DATA_SEED,
+    NET_SEED,
+    OPTIMIZERS,
+    Cell,
+    FabricLoop,
+    assert_cell_is_sharp,
+    fabric_api,
+    fabric_run,
+    recipe_run,
+)
+from amp_oracle.run import Run, assert_same_run
 from amp_oracle.torch_features import OptState, cpu_grad_scaler
 from amp_oracle.world import (
     CLIP_NORM,
     INF_BATCH,
     INIT_SCALE,
     N_BATCHES,
+    PRECISIONS,
     inject_inf,
+    make_batches,
+    make_optimizer,
+    mlp,
     new_scaler,
     params_differ,
     uses_scaler,
-)
-from tests_fabric.helpers.amp_fabric import (
-    CLIPS,
-    OPTIMIZERS,
-    PRECISIONS,
-    Cell,
-    FabricLoop,
-    Run,
-    assert_recipe_is_sharp,
-    assert_same_run,
-    cached_fabric_run,
-    cached_recipe_run,
-    fabric_api,
-    fabric_run,
-    make_batches,
-    make_net,
-    make_optimizer,
-    recipe_run,
 )
 
 
@@ -66,10 +64,10 @@ def _quiet():
 
 
 def _check(cell: Cell) -> Run:
-    recipe = cached_recipe_run(cell)
-    assert_recipe_is_sharp(recipe, cell)
+    recipe = recipe_run(cell)
+    assert_cell_is_sharp(recipe, cell)
     run = fabric_run(cell)
-    assert_same_run(run, recipe)
+    assert_same_run(run, recipe, records=cell.clip == "norm")
     return run
 
 
@@ -115,7 +113,7 @@ def test_clip_by_norm_tolerates_the_overflow_step_the_scaler_skips():
 
 def test_clip_by_norm_returns_the_unscaled_norm():
     loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"))
-    x, y = make_batches()[0]
+    x, y = make_batches(seed=DATA_SEED)[0]
     loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
     grads = [p.grad.detach().clone() / loop.scaler.get_scale() for p in loop.model.parameters()]
     norm = loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
@@ -165,7 +163,7 @@ def _misused_loop(misuse: str, package: str = "lightning") -> tuple["FabricLoop"
     from before ``fabric.setup``): on the wrapper's own outputs Fabric already refuses ``loss.backward()``, stock too.
     """
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package=package, watch_misuse=True).train(range(1))
-    x, y = make_batches()[1]
+    x, y = make_batches(seed=DATA_SEED)[1]
     loop.opts[0].zero_grad()
     before = [p.detach().clone() for p in loop.model.parameters()]
     if misuse == "unscaled-backward":
@@ -202,8 +200,8 @@ def test_loss_backward_is_forgiven_once_the_gradients_are_cleared():
     loop.opts[0].zero_grad()
     loop.train(range(2, N_BATCHES))
     # the recipe over the same batches, without batch 1; its inf stays in batch 2 (position 1 there)
-    batches = [b for i, b in enumerate(make_batches()) if i != 1]
-    expected = recipe_run(Cell("16-mixed", "SGD-momentum", inf_at=(1,)), batches)
+    batches = [b for i, b in enumerate(make_batches(seed=DATA_SEED)) if i != 1]
+    expected = recipe_run(Cell("16-mixed", "SGD-momentum", inf_at=(1,)), data=batches)
     assert params_differ(loop.finish().params, expected.params) == {}
 
 
@@ -239,7 +237,7 @@ def test_loss_backward_with_nothing_scaled_raises_by_default(action):
     """Without the watch, the free check: a step or clipping before the scaler scaled any loss raises and names
     ``fabric.backward(loss)`` first (stock: torch's bare assertion), changing nothing."""
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
-    x, y = make_batches()[0]
+    x, y = make_batches(seed=DATA_SEED)[0]
     before = [p.detach().clone() for p in loop.model.parameters()]
     with loop.fabric.autocast():
         loss = torch.nn.functional.mse_loss(loop.model.module(x), y)
@@ -292,7 +290,7 @@ def test_user_unscale_through_the_wrapper_is_read_not_moved():
     loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm", unscaler="user-wrapper"))
     loop.train(range(1))
     opt = loop.opts[0]
-    x, y = make_batches()[1]
+    x, y = make_batches(seed=DATA_SEED)[1]
     opt.zero_grad()
     loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
     loop.scaler.unscale_(opt)
@@ -338,7 +336,7 @@ def test_update_count_and_placement():
             assert update.call_count == i + 1, "the update follows the last optimizer's step"
         run = loop.finish()
         assert update.call_count == N_BATCHES
-        x, y = make_batches()[0]
+        x, y = make_batches(seed=DATA_SEED)[0]
         loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
         loop.opts[0].step()  # the second optimizer does not step: the update waits
         assert update.call_count == N_BATCHES
@@ -347,8 +345,7 @@ def test_update_count_and_placement():
         loop.fabric.strategy.teardown()
         assert update.call_count == N_BATCHES + 1
         assert loop.scaler.state_dict() == saved
-    assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
-    assert_same_run(run, cached_recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
+    assert_same_run(run, recipe_run(Cell("16-mixed", "SGD-momentum", two_optimizers=True)))
 
 
 def test_interleaved_backward_and_step_update_before_the_next_backward():
@@ -357,11 +354,11 @@ def test_interleaved_backward_and_step_update_before_the_next_backward():
     it (``scaler.step(opt); scaler.update()`` per optimizer)."""
     mse = torch.nn.functional.mse_loss
 
-    net = make_net()
-    opts = [make_optimizer("SGD-momentum", net[i].parameters(), False) for i in (0, 2)]
+    net = mlp(NET_SEED)
+    opts = [make_optimizer("SGD-momentum", net[i].parameters(), fused=False) for i in (0, 2)]
     scaler = new_scaler()
     expected_scales = []
-    for x, y in make_batches():
+    for x, y in make_batches(seed=DATA_SEED):
         for opt in opts:
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
@@ -374,7 +371,7 @@ def test_interleaved_backward_and_step_update_before_the_next_backward():
 
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum", two_optimizers=True))
     scales = []
-    for x, y in make_batches():
+    for x, y in make_batches(seed=DATA_SEED):
         for opt in loop.opts:
             opt.zero_grad()
             loop.fabric.backward(mse(loop.model(x), y))
@@ -433,8 +430,8 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step():
 
     with mock.patch.object(torch.optim.SGD, "step", step_with_zeroed_buffers):
         recipe = recipe_run(cell)
-    assert_recipe_is_sharp(recipe, cell)
-    assert_same_run(run, recipe)
+    assert_cell_is_sharp(recipe, cell)
+    assert_same_run(run, recipe, records=True)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -458,14 +455,9 @@ def _resumed_run(cell: Cell, path, scaler_entry: str = "plugin", package: str = 
     first = FabricLoop(cell, package).train(range(SPLIT))
     first.save(path, scaler_entry)
     # a fresh Fabric, a network with other weights and fresh optimizers: everything must come from the checkpoint
-    second = FabricLoop(cell, package, seed=99)
+    second = FabricLoop(cell, package, seed=99).resumes(first)
     assert second.load(path, scaler_entry) == {}
-    run = second.train(range(SPLIT, N_BATCHES)).finish()
-    run.scales = None if first.run.scales is None else first.run.scales + run.scales
-    run.changed = first.run.changed + run.changed
-    run.skipped = first.run.skipped + run.skipped
-    run.clip_seen = first.run.clip_seen + run.clip_seen
-    return run
+    return second.train(range(SPLIT, N_BATCHES)).finish()
 
 
 @pytest.mark.parametrize("cell", RESUME_CELLS, ids=lambda c: c.id)
@@ -477,32 +469,32 @@ def test_resume_is_exact(cell, tmp_path):
     ``state_dict`` is the scaler's). The fork applies an iteration's scale update lazily, before the next backward; the
     plugin's ``state_dict`` applies a pending update first, so the checkpoint holds the scale the next iteration uses.
     """
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     path = tmp_path / "fabric.ckpt"
     resumed = _resumed_run(cell, path)
-    assert_same_run(resumed, recipe)
-    assert_same_run(resumed, cached_fabric_run(cell))  # the uninterrupted Fabric run
+    assert_same_run(resumed, recipe, records=cell.clip == "norm")
+    assert_same_run(resumed, fabric_run(cell), records=True)  # the uninterrupted Fabric run
     if uses_scaler(cell.precision):
-        assert torch.load(path, weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT]
+        assert torch.load(path, weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT - 1]
 
 
 def test_save_holds_the_scale_of_the_next_iteration_and_does_not_perturb_the_run(tmp_path):
     cell = Cell("16-mixed", "AdamW", True, "norm")
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     loop = FabricLoop(cell).train(range(SPLIT))
     # the back-off of the inf batch followed its step at once
-    assert loop.scaler.get_scale() == recipe.scales[SPLIT] == recipe.scales[SPLIT - 1] / 2
+    assert loop.scaler.get_scale() == recipe.scales[SPLIT - 1] == recipe.scales[SPLIT - 2] / 2
     loop.save(tmp_path / "fabric.ckpt")
-    assert loop.scaler.get_scale() == recipe.scales[SPLIT]
-    assert torch.load(tmp_path / "fabric.ckpt", weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT]
-    assert_same_run(loop.train(range(SPLIT, N_BATCHES)).finish(), recipe)
+    assert loop.scaler.get_scale() == recipe.scales[SPLIT - 1]
+    assert torch.load(tmp_path / "fabric.ckpt", weights_only=True)["precision"]["scale"] == recipe.scales[SPLIT - 1]
+    assert_same_run(loop.train(range(SPLIT, N_BATCHES)).finish(), recipe, records=True)
 
 
 def test_resume_without_precision_in_state_is_exact(tmp_path):
     """The checkpoint guide's state, ``{"model": model, "optimizer": opt}``: ``fabric.save`` carries the scaler's state
     under ``"MixedPrecision"`` and ``fabric.load`` restores it, so the resumed run continues with the same scale."""
     cell = Cell("16-mixed", "AdamW", True, "norm")
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="none")
     assert run.scales == recipe.scales
     assert not params_differ(run.params, recipe.params)
@@ -512,9 +504,9 @@ def test_resume_without_precision_in_state_is_exact(tmp_path):
 def test_stock_fabric_resume_without_precision_in_state_restarts_the_scale(tmp_path):
     """Negative control: stock Fabric 2.6.6 saves no scaler state; the resumed run restarts at the initial scale."""
     cell = Cell("16-mixed", "AdamW", False, "norm")  # unfused: stock cannot clip fused optimizers
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="none", package="stock_lightning_fabric")
-    assert run.scales[SPLIT] == INIT_SCALE != recipe.scales[SPLIT]
+    assert run.scales[SPLIT - 1] == INIT_SCALE != recipe.scales[SPLIT - 1]  # the scale batch SPLIT trained with
 
 
 def test_checkpoints_load_across_fork_and_stock(tmp_path):
@@ -544,7 +536,7 @@ def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
     every step. With the fork's lazy update it must too (a user may hold the ``GradScaler`` they passed in)."""
     cell = Cell("16-mixed", "AdamW", False, "norm")  # unfused: stock cannot clip fused optimizers
     run = _resumed_run(cell, tmp_path / "fabric.ckpt", scaler_entry="scaler", package=package)
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     assert run.scales == recipe.scales
     assert not params_differ(run.params, recipe.params)
 
@@ -595,8 +587,8 @@ def test_stock_fabric_unscales_twice_through_the_wrapper():
     """``scaler.unscale_(fabric_optimizer)`` then ``clip_gradients``: stock keys the first unscale by the wrapper and
     unscales the wrapped optimizer a second time, silently; the weights end up far from the recipe's."""
     cell = Cell("16-mixed", clip="norm", unscaler="user-wrapper")
-    recipe = cached_recipe_run(cell)
-    assert_same_run(fabric_run(cell), recipe)
+    recipe = recipe_run(cell)
+    assert_same_run(fabric_run(cell), recipe, records=True)
     stock = fabric_run(cell, "stock_lightning_fabric")
     assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
 
@@ -605,11 +597,11 @@ def test_stock_fabric_updates_after_every_step():
     """Two optimizers from one backward: stock updates after each step, so the scale moves twice per iteration and the
     second optimizer is unscaled with a scale that did not scale its gradients."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
-    recipe = cached_recipe_run(cell)
+    recipe = recipe_run(cell)
     assert_same_run(fabric_run(cell), recipe)
     stock = fabric_run(cell, "stock_lightning_fabric")
-    assert stock.scales != recipe.scales
-    assert stock.final_scale != recipe.final_scale
+    assert stock.scales[:-1] != recipe.scales[:-1]
+    assert stock.scales[-1] != recipe.scales[-1]  # the final scale
     assert max(params_differ(stock.params, recipe.params).values()) > 1e-3
 
 
@@ -622,10 +614,10 @@ def test_a_wrong_recipe_is_caught():
     """The comparison itself is sharp: a recipe that updates after every step (stock's schedule) differs from the
     fork's Fabric run in the scale trajectory and the weights."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
-    net = make_net()
-    opts = [make_optimizer("SGD-momentum", net[i].parameters(), False) for i in (0, 2)]
+    net = mlp(NET_SEED)
+    opts = [make_optimizer("SGD-momentum", net[i].parameters(), fused=False) for i in (0, 2)]
     scaler = cpu_grad_scaler(init_scale=INIT_SCALE, growth_interval=1)
-    for batch_idx, (x, y) in enumerate(make_batches()):
+    for batch_idx, (x, y) in enumerate(make_batches(seed=DATA_SEED)):
         for opt in opts:
             opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -635,7 +627,7 @@ def test_a_wrong_recipe_is_caught():
             scaler.step(opt)
             scaler.update()  # wrong: after every step
     run = fabric_run(cell)
-    assert run.final_scale != scaler.get_scale()
+    assert run.scales[-1] != scaler.get_scale()
     assert params_differ(run.params, {n: p.detach() for n, p in net.named_parameters()})
 
 
@@ -644,49 +636,9 @@ def test_a_wrong_recipe_is_caught():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _recipe_loop(cell: Cell, first_step_only_at: int = -1) -> Run:
-    """PyTorch's recipe over the batches: one backward, clipping and a step per optimizer (one per linear layer when
-    there are two; only the first at batch ``first_step_only_at``), one update per iteration."""
-    net = make_net()
-    groups = [net[0].parameters(), net[2].parameters()] if cell.two_optimizers else [net.parameters()]
-    opts = [make_optimizer("SGD-momentum", params, False) for params in groups]
-    scaler = new_scaler()
-    run = Run(params={}, scales=[], final_scale=None, skipped=[], changed=[])
-    for i, (x, y) in enumerate(make_batches()):
-        for opt in opts:
-            opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(net(x), y)
-        scaler.scale(inject_inf(loss, i, cell.inf_batches)).backward()
-        run.scales.append(scaler.get_scale())
-        for opt in opts[:1] if i == first_step_only_at else opts:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], CLIP_NORM)
-            scaler.step(opt)
-        scaler.update()
-    run.params = {name: p.detach().clone() for name, p in net.named_parameters()}
-    run.final_scale = scaler.get_scale()
-    return run
-
-
-def _fabric_iteration(loop: FabricLoop, i: int, between_steps: Callable[[], None] = lambda: None) -> None:
-    x, y = make_batches()[i]
-    for opt in loop.opts:
-        opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(loop.model(x), y)
-    loop.fabric.backward(inject_inf(loss, i, loop.cell.inf_batches))
-    loop.run.scales.append(loop.scaler.get_scale())
-    for k, opt in enumerate(loop.opts):
-        loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
-        if k == 1:
-            between_steps()
-        opt.step()
-
-
 def _assert_follows(loop: FabricLoop, expected: Run) -> None:
     run = loop.finish()
     assert run.scales == expected.scales
-    assert run.final_scale == expected.final_scale
     assert params_differ(run.params, expected.params) == {}
 
 
@@ -696,7 +648,7 @@ def test_a_closure_passed_to_step_raises_as_torch_does():
     weights stay as they were."""
     for package in ("lightning", "stock_lightning_fabric"):
         loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package)
-        x, y = make_batches()[0]
+        x, y = make_batches(seed=DATA_SEED)[0]
         opt = loop.opts[0]
         before = [p.detach().clone() for p in loop.model.parameters()]
 
@@ -715,18 +667,19 @@ def test_an_exception_caught_between_two_steps_loses_no_update():
     """An exception raised (and caught by the user) after the first optimizer's step: the update that step owes is
     applied before the next backward (the loop zeroes the gradients first, so nothing waits for it), the scale backs
     off on a later inf again, and training goes on exactly as the recipe's."""
-    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(3,))
+    cell = Cell("16-mixed", "SGD-momentum", clip="norm", two_optimizers=True, inf_at=(3,))
     loop = FabricLoop(cell)
 
-    def fail() -> None:
-        raise ValueError("the user's own error, after the first step")
+    def fail(i: int, k: int) -> None:
+        if (i, k) == (1, 1):
+            raise ValueError("the user's own error, after the first step")
 
     for i in range(N_BATCHES):
         try:
-            _fabric_iteration(loop, i, between_steps=fail if i == 1 else lambda: None)
+            loop.train(range(i, i + 1), before_step=fail)
         except ValueError:
             pass
-    expected = _recipe_loop(cell, first_step_only_at=1)
+    expected = recipe_run(cell, first_step_only_at=1)
     assert any(b < a for a, b in zip(expected.scales, expected.scales[1:]))  # the inf batch backed the scale off
     _assert_follows(loop, expected)
 
@@ -736,7 +689,7 @@ def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp
     """``fabric.save`` after clipping and before the step, between two optimizers' steps, or as the last statement of
     an iteration: the live run is the recipe's, as without the save; a save at the end of an iteration holds the scale
     the next iteration uses."""
-    cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True)
+    cell = Cell("16-mixed", "SGD-momentum", clip="norm", two_optimizers=True)
     loop = FabricLoop(cell)
     path = tmp_path / "fabric.ckpt"
     saved = []
@@ -745,26 +698,18 @@ def test_a_save_changes_nothing_and_holds_what_the_run_continues_with(where, tmp
         loop.save(path)
         saved.append(torch.load(path, weights_only=True)["precision"]["scale"])
 
+    def before_step(i: int, k: int) -> None:
+        if where == "after-clip" or (where == "between-steps" and k == 1):
+            save()
+
     for i in range(N_BATCHES):
-        if where == "after-clip":
-            x, y = make_batches()[i]
-            for opt in loop.opts:
-                opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(loop.model(x), y)
-            loop.fabric.backward(inject_inf(loss, i, cell.inf_batches))
-            loop.run.scales.append(loop.scaler.get_scale())
-            for opt in loop.opts:
-                loop.fabric.clip_gradients(loop.model, opt, max_norm=CLIP_NORM, error_if_nonfinite=False)
-                save()
-                opt.step()
-        else:
-            _fabric_iteration(loop, i, between_steps=save if where == "between-steps" else lambda: None)
-            if where == "last-in-iteration":
-                save()
-    expected = _recipe_loop(cell)
+        loop.train(range(i, i + 1), before_step=before_step)
+        if where == "last-in-iteration":
+            save()
+    expected = recipe_run(cell)
     _assert_follows(loop, expected)
     if where == "last-in-iteration":
-        assert saved == expected.scales[1:] + [expected.final_scale]
+        assert saved == expected.scales
 
 
 def test_the_watch_of_a_collected_model_goes_with_it():
@@ -774,16 +719,16 @@ def test_the_watch_of_a_collected_model_goes_with_it():
     recipe = fabric.strategy.precision._recipe
     counts = []
     for _ in range(5):
-        net = make_net()
-        model, opt = fabric.setup(net, make_optimizer("SGD-momentum", net.parameters(), False))
-        x, y = make_batches()[0]
+        net = mlp(NET_SEED)
+        model, opt = fabric.setup(net, make_optimizer("SGD-momentum", net.parameters(), fused=False))
+        x, y = make_batches(seed=DATA_SEED)[0]
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         opt.step()
         del net, model, opt
         gc.collect()
         counts.append(recipe.watched)
     assert counts == [counts[0]] * 5
-    assert counts[0] <= 1 + len(list(make_net().parameters()))  # the first loop's model, still alive
+    assert counts[0] <= 1 + len(list(mlp(NET_SEED).parameters()))  # the first loop's model, still alive
 
 
 def test_the_scale_after_the_step_says_whether_it_was_skipped():
@@ -792,7 +737,7 @@ def test_the_scale_after_the_step_says_whether_it_was_skipped():
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
     (opt,) = loop.opts
     skipped = []
-    for i, (x, y) in enumerate(make_batches()):
+    for i, (x, y) in enumerate(make_batches(seed=DATA_SEED)):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(loop.model(x), y)
         loop.fabric.backward(inject_inf(loss, i, loop.cell.inf_batches))
@@ -807,7 +752,7 @@ def test_a_bare_scaler_in_the_saved_state_holds_the_owed_update(tmp_path):
     waits for the next backward): the saved scaler holds the update, and the live scaler is left alone."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(0,))
     loop = FabricLoop(cell)
-    x, y = make_batches()[0]
+    x, y = make_batches(seed=DATA_SEED)[0]
     loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), 0, cell.inf_batches))
     loop.opts[0].step()
     live = loop.scaler.state_dict()

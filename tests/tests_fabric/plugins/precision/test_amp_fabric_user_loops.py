@@ -10,9 +10,9 @@ import gc
 
 import pytest
 import torch
+from amp_oracle.fabric import make_fabric
 from amp_oracle.torch_features import requires_cpu_16_mixed, requires_cpu_fused
 from amp_oracle.world import ThroughScaler, new_scaler
-from tests_fabric.helpers.amp_fabric import make_fabric
 from torch import nn
 
 pytestmark = requires_cpu_16_mixed

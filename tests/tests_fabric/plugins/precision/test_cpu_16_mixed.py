@@ -3,7 +3,7 @@
 Stock Fabric turns the flag into bf16-mixed on a CPU; the fork (patch cpu-16-mixed-is-float16, fork-only) gives it what
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]`` gives, and keeps the fallback,
 with a warning naming what is missing, on torch < 2.3. The reference is the hand-written recipe of
-``tests_fabric/helpers/amp_fabric.py`` with the flag's scaler (torch's defaults), compared bitwise.
+``amp_oracle/fabric.py`` with the flag's scaler (torch's defaults), compared bitwise.
 """
 
 import logging
@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
-from amp_oracle.torch_features import GradScaler, requires_cpu_16_mixed
+from amp_oracle.fabric import Cell, FabricLoop, recipe_run
+from amp_oracle.run import assert_same_run
+from amp_oracle.torch_features import requires_cpu_16_mixed
 from amp_oracle.world import N_BATCHES
-from tests_fabric.helpers import amp_fabric
-from tests_fabric.helpers.amp_fabric import Cell, FabricLoop, assert_same_run, recipe_run
 
 from lightning.fabric import Fabric
 from lightning.fabric import connector as fabric_connector
@@ -23,12 +23,8 @@ from lightning.fabric.plugins.precision import MixedPrecision
 SLOW_CPU_INFO = "float16 matrix multiplications are slow on most CPUs: `precision='bf16-mixed'` is usually faster"
 
 
-def cpu_16_mixed_fabric(*_, **__) -> Fabric:
+def cpu_16_mixed_fabric() -> Fabric:
     return Fabric(accelerator="cpu", devices=1, precision="16-mixed")
-
-
-def default_cpu_scaler(enabled: bool = True, **_) -> GradScaler:
-    return torch.amp.GradScaler("cpu", enabled=enabled)
 
 
 @requires_cpu_16_mixed
@@ -45,19 +41,17 @@ def test_the_flag_gets_a_cpu_gradient_scaler(caplog):
 
 
 @requires_cpu_16_mixed
-def test_the_flag_trains_as_the_recipe(monkeypatch):
+def test_the_flag_trains_as_the_recipe():
     cell = Cell("16-mixed", clip="norm")
-    monkeypatch.setattr(amp_fabric, "new_scaler", default_cpu_scaler)  # the recipe gets the flag's scaler
-    expected = recipe_run(cell)
+    init_scale = torch.amp.GradScaler("cpu").get_scale()
+    expected = recipe_run(cell, scaler=torch.amp.GradScaler("cpu"))  # the recipe gets the flag's scaler
     assert any(any(row) for row in expected.changed)
-    assert 0.5 in {b / a for a, b in zip(expected.scales, expected.scales[1:] + [expected.final_scale])}
+    assert 0.5 in {b / a for a, b in zip([init_scale] + expected.scales, expected.scales)}
 
-    monkeypatch.setattr(amp_fabric, "make_fabric", cpu_16_mixed_fabric)
-    loop = FabricLoop(cell)
-    loop.scaler = loop.precision_plugin.scaler  # what the loop reads the scale from
-    assert loop.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+    loop = FabricLoop(cell, fabric=cpu_16_mixed_fabric())
+    assert loop.scaler.get_scale() == init_scale
     actual = loop.train(range(N_BATCHES)).finish()
-    assert_same_run(actual, expected)
+    assert_same_run(actual, expected, records=True)
 
 
 def test_falls_back_to_bf16_where_torch_cannot(monkeypatch):
