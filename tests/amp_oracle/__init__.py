@@ -5,9 +5,10 @@ recipe written by hand, and compares the two :class:`~amp_oracle.run.Run` s bit 
 
 * :mod:`amp_oracle.world`: what both sides share (sizes, loss scales, clip values, the scaler, the batches, the nets,
   the optimizers, the ``inf`` injection); :mod:`amp_oracle.torch_features`: what the installed torch can do;
-* :mod:`amp_oracle.run`: the result type, the one comparison, and the recipe's side (:class:`~amp_oracle.run.RecipeRun`);
+* :mod:`amp_oracle.run`: the result type, the one comparison, the recipe's side (:class:`~amp_oracle.run.RecipeRun`);
 * :mod:`amp_oracle.loops`: the recipe loops and the matching ``training_step`` bodies;
 * the drivers, each returning a ``Run``: :mod:`amp_oracle.trainer` (the Trainer, on the CPU or a device),
-  :mod:`amp_oracle.fabric`, :mod:`amp_oracle.ddp`;
+  :mod:`amp_oracle.fabric`, :mod:`amp_oracle.ddp` (two processes); :mod:`amp_oracle.fused` adds the fused optimizers'
+  cells (gradients and optimizer state recorded, a tolerance where fused kernels round differently);
 * :mod:`amp_oracle.scenarios`: the scenario table (a user's loop, its recipe, and what each package must do).
 """
