@@ -127,10 +127,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
     """The gradient scaler's part of a Fabric precision plugin that may scale the loss (``MixedPrecision``,
     ``FSDPPrecision``), through :class:`~lightning.fabric.plugins.precision.amp_recipe.GradScalerRecipe`.
 
-    Fabric's loop belongs to the user: the ``scaler.update()`` a step owes follows once every optimizer
-    ``fabric.setup`` wrapped has stepped, or comes before the next ``fabric.backward()``, carrying gradients that wait
-    for their step into the new scale (the recipe's table). ``state_dict`` (what ``fabric.save`` stores) holds the
-    state the run continues with, the owed update included, and changes nothing. A step or clipping before any loss
+    Fabric's loop belongs to the user: where the ``scaler.update()`` a step owes comes is the recipe's rule table.
+    ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues with, the owed update included, and
+    changes nothing. A step or clipping before any loss
     was scaled (``loss.backward()`` instead of ``fabric.backward(loss)``) raises; ``watch_misuse=True`` watches for
     more (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`).
 
