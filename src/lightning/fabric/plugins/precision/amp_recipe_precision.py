@@ -129,9 +129,9 @@ class _AMPRecipePrecision(_ScalerRecipeHolder, Precision):
 
     Fabric's loop belongs to the user: where the ``scaler.update()`` a step owes comes is the recipe's rule table.
     ``state_dict`` (what ``fabric.save`` stores) holds the state the run continues with, the owed update included, and
-    changes nothing. A step or clipping before any loss
-    was scaled (``loss.backward()`` instead of ``fabric.backward(loss)``) raises; ``watch_misuse=True`` watches for
-    more (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`).
+    changes nothing. A step or clipping before any loss was scaled (``loss.backward()`` instead of
+    ``fabric.backward(loss)``) raises; ``watch_misuse=True`` watches for more
+    (:mod:`~lightning.fabric.plugins.precision.amp_misuse_watch`).
 
     """
 
