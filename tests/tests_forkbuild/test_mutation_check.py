@@ -24,8 +24,8 @@ def test_a_mutation_that_no_longer_matches_is_reported(tmp_path: Path) -> None:
     package = tmp_path / "lightning"
     (package / "fabric").mkdir(parents=True)
     (package / "fabric" / "x.py").write_text("a = 1\na = 1\n")
-    twice = mutation_check.Mutation("twice", "", "fabric/x.py", "a = 1\n", "", ())
-    gone = mutation_check.Mutation("gone", "", "fabric/x.py", "b = 2\n", "", ())
+    twice, gone = (mutation_check.Mutation(name, "fabric/x.py", (), "", old, "") for name, old in
+                   (("twice", "a = 1\n"), ("gone", "b = 2\n")))
     assert mutation_check.stale(package, (twice, gone)) == [
         "twice: its text occurs 2 times in lightning/fabric/x.py",
         "gone: its text occurs 0 times in lightning/fabric/x.py",
