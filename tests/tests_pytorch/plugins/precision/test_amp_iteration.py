@@ -5,31 +5,47 @@ import copy
 
 import pytest
 import torch
-from amp_oracle.torch_features import cpu_grad_scaler
+from amp_oracle.trainer import FORK, lightning_api, make_trainer
+from amp_oracle.world import LOW_INIT_SCALE, new_scaler
 from torch import nn
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 
-class TwoStepsPerBatch(LightningModule):
+class TinyModule(LightningModule):
+    """One linear layer, SGD, ``samples`` seeded samples in batches of two."""
+
+    lr = 0.01
+    data_seed = 0
+    samples = 6
+    automatic = True
+
     def __init__(self) -> None:
         super().__init__()
-        self.automatic_optimization = False
+        self.automatic_optimization = self.automatic
         self.layer = nn.Linear(4, 4)
+
+    def loss(self, batch):
+        return self.layer(batch).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        data = torch.randn(self.samples, 4, generator=torch.Generator().manual_seed(self.data_seed))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+
+class TwoStepsPerBatch(TinyModule):
+    automatic = False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         for _ in range(2):
-            self.manual_backward(self.layer(batch).float().pow(2).mean())
+            self.manual_backward(self.loss(batch))
             opt.step()
             opt.zero_grad()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(6, 4), batch_size=2)
 
 
 class RecordScale(Callback):
@@ -43,26 +59,28 @@ class RecordScale(Callback):
 
 
 def _plugin() -> MixedPrecision:
-    return MixedPrecision("16-mixed", "cpu", scaler=cpu_grad_scaler(init_scale=2.0**4, growth_interval=1))
+    return MixedPrecision("16-mixed", "cpu", scaler=new_scaler(init_scale=LOW_INIT_SCALE))
 
 
-def _quiet_trainer(**trainer_kwargs) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[_plugin()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
+def _trainer(**trainer_kwargs):
+    return make_trainer(lightning_api(FORK), "16-mixed", plugin=_plugin(), **trainer_kwargs)
 
 
-def _fit_quietly(model: LightningModule, **trainer_kwargs) -> Trainer:
-    trainer = _quiet_trainer(**trainer_kwargs)
+def _fit_quietly(model: LightningModule, **trainer_kwargs):
+    trainer = _trainer(**trainer_kwargs)
     trainer.fit(model)
     return trainer
+
+
+def _twins(cls: type, *args):
+    """Two instances of ``cls`` with the same weights: one for the Trainer, one for the hand-written recipe."""
+    torch.manual_seed(0)
+    model = cls(*args)
+    return model, copy.deepcopy(model)
+
+
+def _assert_same_params(model: nn.Module, reference: nn.Module) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 def test_one_optimizer_stepped_twice_per_batch_updates_after_each_step(tmp_path):
@@ -103,7 +121,7 @@ def test_the_users_own_update_after_the_step_raises_as_in_stock():
     class UpdatesItself(TwoStepsPerBatch):
         def training_step(self, batch, batch_idx):
             opt = self.optimizers()
-            self.manual_backward(self.layer(batch).float().pow(2).mean())
+            self.manual_backward(self.loss(batch))
             opt.step()
             opt.zero_grad()
             self.trainer.precision_plugin.scaler.update()
@@ -112,21 +130,21 @@ def test_the_users_own_update_after_the_step_raises_as_in_stock():
         _fit_quietly(UpdatesItself())
 
 
-class ClipsEveryBatchStepsEveryOther(LightningModule):
+class ClipsEveryBatchStepsEveryOther(TinyModule):
     """Gradient accumulation over two batches, but clipping on every batch (by a value that never binds): the first
     clip unscales gradients that no step consumes, and the next backward adds scaled gradients to them."""
 
+    automatic, samples, data_seed = False, 8, 2
+
     def __init__(self, clip: bool = True, zero_before_next_backward: bool = False) -> None:
-        super().__init__()
-        self.automatic_optimization = False
         torch.manual_seed(0)
-        self.layer = nn.Linear(4, 4)
+        super().__init__()
         self.clip = clip
         self.zero_before_next_backward = zero_before_next_backward
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
-        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.manual_backward(self.loss(batch))
         if self.clip:
             self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
         if batch_idx % 2 == 1:
@@ -134,12 +152,6 @@ class ClipsEveryBatchStepsEveryOther(LightningModule):
             opt.zero_grad()
         elif self.zero_before_next_backward:
             opt.zero_grad()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(8, 4, generator=torch.Generator().manual_seed(2)), batch_size=2)
 
 
 def test_gradients_unscaled_without_a_step_are_carried_across_the_batch_end():
@@ -149,7 +161,7 @@ def test_gradients_unscaled_without_a_step_are_carried_across_the_batch_end():
     step."""
     clipped, plain = ClipsEveryBatchStepsEveryOther(clip=True), ClipsEveryBatchStepsEveryOther(clip=False)
     trainers = [_fit_quietly(model) for model in (clipped, plain)]
-    assert all(torch.equal(a, b) for a, b in zip(clipped.parameters(), plain.parameters()))
+    _assert_same_params(clipped, plain)
     assert [t.precision_plugin._recipe.updates for t in trainers] == [4, 2]
 
 
@@ -165,7 +177,7 @@ class ClipsBetweenTwoBackwards(TwoStepsPerBatch):
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
-        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.manual_backward(self.loss(batch))
         self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="value")
         self.manual_backward(self.layer(batch).float().mean())
         opt.step()
@@ -181,65 +193,35 @@ def test_a_backward_onto_gradients_unscaled_in_the_same_step_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
-class SkipsSomeBatches(LightningModule):
+class SkipsSomeBatches(TinyModule):
     """Automatic optimization with clipping; ``training_step`` returns None on odd batches (no backward, no step)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 4)
-        self.data = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    samples, data_seed = 8, 1
 
     def training_step(self, batch, batch_idx):
-        return None if batch_idx % 2 else self.layer(batch).float().pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.data, batch_size=2)
+        return None if batch_idx % 2 else self.loss(batch)
 
 
 def test_clipping_on_a_batch_without_backward_leaves_no_state():
     """Clipping runs on a batch whose ``training_step`` returned None; the scaler must not carry that empty unscale into
-    the next batch (it used to fail there with "No inf checks were recorded for this optimizer")."""
-    torch.manual_seed(0)
-    model = SkipsSomeBatches()
-    reference = SkipsSomeBatches()
-    reference.load_state_dict(model.state_dict())
+    the next batch, where torch would fail with "No inf checks were recorded for this optimizer")."""
+    model, reference = _twins(SkipsSomeBatches)
     trainer = _fit_quietly(model, gradient_clip_val=1e9, gradient_clip_algorithm="norm")
     # the recipe: only the even batches train, one update each
-    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     for batch_idx, batch in enumerate(reference.train_dataloader()):
         if batch_idx % 2:
             continue
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = reference.layer(batch).float().pow(2).mean()
+            loss = reference.loss(batch)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
-
-
-class TinyModule(LightningModule):
-    """One linear layer, SGD, six samples in batches of two."""
-
-    lr = 0.01
-    data_seed = 0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 4)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-    def train_dataloader(self):
-        data = torch.randn(6, 4, generator=torch.Generator().manual_seed(self.data_seed))
-        return torch.utils.data.DataLoader(data, batch_size=2)
+    _assert_same_params(model, reference)
 
 
 class TwoOptimizers(TwoStepsPerBatch):
@@ -273,7 +255,7 @@ def test_an_exception_ends_the_iteration_and_keeps_its_update(tmp_path):
     """An exception after the first optimizer's step, caught around ``fit``, then ``save_checkpoint``: the iteration's
     update is applied when the exception leaves the batch, so the checkpoint holds the scale the run goes on with
     (stock updates right after each step: the same here)."""
-    trainer = _quiet_trainer()
+    trainer = _trainer()
     with pytest.raises(ValueError, match="the user's own error"):
         trainer.fit(RaisesAfterTheFirstStep())
     plugin = trainer.precision_plugin
@@ -310,7 +292,7 @@ class ClosureThenPlainStep(TinyModule):
     data_seed = 3
 
     def training_step(self, batch, batch_idx):
-        return self.layer(batch).float().pow(2).mean()
+        return self.loss(batch)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         optimizer_closure()
@@ -320,12 +302,9 @@ class ClosureThenPlainStep(TinyModule):
 def test_an_optimizer_step_override_that_runs_the_closure_itself_steps():
     """Stock Lightning takes no step here under 16-mixed, silently (the plugin reads the closure's missing result as
     "no backward"); with 32-bit precision the same override steps. So does the fork, as the recipe does."""
-    torch.manual_seed(0)
-    model = ClosureThenPlainStep()
-    reference = ClosureThenPlainStep()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins(ClosureThenPlainStep)
     trainer = _fit_quietly(model)
-    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     for batch in reference.train_dataloader():
         optimizer.zero_grad()
@@ -335,7 +314,7 @@ def test_an_optimizer_step_override_that_runs_the_closure_itself_steps():
         scaler.step(optimizer)
         scaler.update()
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale() == 2.0**7
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    _assert_same_params(model, reference)
 
 
 class ReadsTheSkipFromTheScale(TinyModule):
@@ -348,8 +327,7 @@ class ReadsTheSkipFromTheScale(TinyModule):
         self.skipped = []
 
     def _loss(self, batch, batch_idx):
-        loss = self.layer(batch).float().pow(2).mean()
-        return loss * float("inf") if batch_idx == 1 else loss
+        return self.loss(batch) * (float("inf") if batch_idx == 1 else 1)
 
     def training_step(self, batch, batch_idx):
         if self.automatic_optimization:
@@ -384,19 +362,14 @@ class TwoSurgeryCyclesPerBatch(TinyModule):
     then ``scaler.unscale_(opt)`` (PyTorch's recipe: the plugin cannot see a backward it did not run, so after a step in
     the same ``training_step`` it takes the gradients for the ones that step used), ``clip_gradients`` and the step."""
 
-    lr = 0.1
-    data_seed = 5
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
+    lr, data_seed, automatic = 0.1, 5, False
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         scaler = self.trainer.precision_plugin.scaler
         params = list(self.layer.parameters())
         for half in (batch[:1], batch[1:]):
-            grads = torch.autograd.grad(scaler.scale(self.layer(half).float().pow(2).mean()), params)
+            grads = torch.autograd.grad(scaler.scale(self.loss(half)), params)
             for p, g in zip(params, grads):
                 p.grad = g
             scaler.unscale_(opt)
@@ -408,19 +381,16 @@ class TwoSurgeryCyclesPerBatch(TinyModule):
 def test_a_second_step_cycle_in_a_batch_clips_unscaled_gradients():
     """The second cycle's gradients, assigned after the first step and unscaled by the user, are clipped as the recipe
     clips them (torch's scaler needs an update between two steps of one optimizer: the recipe updates after each)."""
-    torch.manual_seed(0)
-    model = TwoSurgeryCyclesPerBatch()
-    reference = TwoSurgeryCyclesPerBatch()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins(TwoSurgeryCyclesPerBatch)
     trainer = _fit_quietly(model)
-    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     params = list(reference.layer.parameters())
     norms = []  # what clipping saw
     for batch in reference.train_dataloader():
         for half in (batch[:1], batch[1:]):
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = reference.layer(half).float().pow(2).mean()
+                loss = reference.loss(half)
             grads = torch.autograd.grad(scaler.scale(loss), params)
             for p, g in zip(params, grads):
                 p.grad = g
@@ -431,17 +401,19 @@ def test_a_second_step_cycle_in_a_batch_clips_unscaled_gradients():
             optimizer.zero_grad()
     assert 0.01 < min(norms) < max(norms) < 10  # every clip clips, and unscaled gradients (the scale is 2**4 and up)
     assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    _assert_same_params(model, reference)
 
 
-class TogglesTwoOptimizers(LightningModule):
+class TogglesTwoOptimizers(TinyModule):
     """A GAN's manual optimization: each network clipped after its own backward, with ``toggle_optimizer``, then both
     stepped. The generator's backward runs while the discriminator's gradients are unscaled, not yet stepped, and out
     of its reach (toggled off)."""
 
+    automatic, data_seed = False, 1
+
     def __init__(self) -> None:
         super().__init__()
-        self.automatic_optimization = False
+        del self.layer
         torch.manual_seed(0)
         self.g, self.d = nn.Linear(4, 4), nn.Linear(4, 1)
 
@@ -463,16 +435,13 @@ class TogglesTwoOptimizers(LightningModule):
     def configure_optimizers(self):
         return [torch.optim.SGD(self.d.parameters(), lr=0.1), torch.optim.SGD(self.g.parameters(), lr=0.1)]
 
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), batch_size=2)
-
 
 def test_a_gan_that_clips_each_network_after_its_own_backward_equals_the_recipe():
-    model = TogglesTwoOptimizers()
-    g, d = copy.deepcopy(model.g), copy.deepcopy(model.d)
+    model, reference = _twins(TogglesTwoOptimizers)
+    g, d = reference.g, reference.d
     _fit_quietly(model)
     opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
-    scaler = cpu_grad_scaler(init_scale=2.0**4, growth_interval=1)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE)
     for batch in model.train_dataloader():
         with torch.autocast("cpu", dtype=torch.float16):
             loss_d = d(g(batch).detach()).float().pow(2).mean()
@@ -491,8 +460,7 @@ def test_a_gan_that_clips_each_network_after_its_own_backward_equals_the_recipe(
         scaler.update()
         opt_d.zero_grad()
         opt_g.zero_grad()
-    for ours, theirs in ((model.g, g), (model.d, d)):
-        assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    _assert_same_params(model, reference)
 
 
 def test_a_plugin_driven_without_declared_optimizers_updates_after_each_step():
@@ -514,7 +482,7 @@ class UnscalesItselfWithoutStepping(TwoStepsPerBatch):
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         opt.zero_grad()
-        self.manual_backward(self.layer(batch).float().pow(2).mean())
+        self.manual_backward(self.loss(batch))
         self.trainer.precision_plugin.scaler.unscale_(opt.optimizer)
         torch.nn.utils.clip_grad_norm_(self.layer.parameters(), 1e9)
         opt.zero_grad()  # no step: PyTorch's recipe still calls `scaler.update()`, which the inf check owes
