@@ -1,20 +1,9 @@
-"""Manual (and automatic) optimization under mixed precision behaves exactly like PyTorch's AMP recipe.
+"""Manual (and automatic) optimization under mixed precision behaves exactly like PyTorch's AMP recipe, bitwise.
 
-Each cell ``mode:case:precision:optimizer`` of the matrix trains the same tiny model on the same batches through the
-Trainer and through a hand-written PyTorch AMP loop and requires the two runs to be identical: every parameter bitwise
-(no tolerance anywhere), the loss-scale trajectory, and which batches left the parameters untouched (skipped steps).
-See ``amp_oracle`` (``tests/amp_oracle``) for the machinery and why bitwise equality is the right bar.
-
-Besides the matrix (``test_matches_the_pytorch_amp_recipe``):
-
-* ``test_autocast_off_in_backward_clipping_and_step``: autocast is on in the ``training_step`` body and in a closure's
-  forward, off in backward, its hooks, clipping, the optimizer step and every scaler call;
-* ``test_loss_backward_instead_of_manual_backward_raises``: the misuse is loud;
-* the negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 runs the same cells and must fail exactly
-  those listed in ``STOCK_FAILURES``, in the way recorded there, and pass all others (so the reference agrees with
-  stock wherever stock is right, automatic optimization included);
-* self-checks of the reference: the multi-step reference built from torch's AMP primitives is ``GradScaler`` itself for
-  one step per batch, and the stale-weight check does catch a stale autocast cache.
+Each cell ``mode:case:precision:optimizer`` trains through the Trainer and through a hand-written AMP loop
+(``amp_oracle``); autocast is off in backward, clipping and the step; ``loss.backward()`` instead of
+``manual_backward`` raises; the unpatched ``stock_pytorch_lightning`` 2.6.6 fails exactly the cells of
+``STOCK_FAILURES`` and passes the others.
 """
 
 import copy
@@ -215,18 +204,15 @@ class Case:
 
 CASES = {
     "plain": Case(manual_plain, recipe_plain, automatic={}),
-    "clip_norm": Case(
-        manual_clip("norm"),
-        recipe_clip("norm"),
-        automatic={"gradient_clip_val": CLIP_NORM, "gradient_clip_algorithm": "norm"},
-        check_recipe=_assert_clipping_happened,
-    ),
-    "clip_value": Case(
-        manual_clip("value"),
-        recipe_clip("value"),
-        automatic={"gradient_clip_val": CLIP_VALUE, "gradient_clip_algorithm": "value"},
-        check_recipe=_assert_clipping_happened,
-    ),
+    **{
+        f"clip_{kind}": Case(
+            manual_clip(kind),
+            recipe_clip(kind),
+            automatic={"gradient_clip_val": limit, "gradient_clip_algorithm": kind},
+            check_recipe=_assert_clipping_happened,
+        )
+        for kind, limit in (("norm", CLIP_NORM), ("value", CLIP_VALUE))
+    },
     "clip_value_then_norm": Case(
         manual_clip_value_then_norm, recipe_clip_value_then_norm, check_recipe=_assert_clipping_happened
     ),
@@ -236,18 +222,15 @@ CASES = {
     "gan": Case(manual_gan, recipe_gan, net=lambda precision: GAN(), configure=gan_optimizers),
     "no_grad_teacher": Case(manual_teacher, recipe_teacher, net=lambda precision: TeacherStudent()),
     "closure": Case(manual_closure, recipe_plain, check_records=_closure_ran_under_autocast),
-    "user_unscale_lightning_optimizer": Case(
-        manual_user_unscale(raw=False),
-        recipe_clip("norm"),
-        precisions=("16-mixed",),
-        check_recipe=_assert_clipping_happened,
-    ),
-    "user_unscale_raw_optimizer": Case(
-        manual_user_unscale(raw=True),
-        recipe_clip("norm"),
-        precisions=("16-mixed",),
-        check_recipe=_assert_clipping_happened,
-    ),
+    **{
+        f"user_unscale_{which}_optimizer": Case(
+            manual_user_unscale(raw=which == "raw"),
+            recipe_clip("norm"),
+            precisions=("16-mixed",),
+            check_recipe=_assert_clipping_happened,
+        )
+        for which in ("lightning", "raw")
+    },
     "nested_autocast": Case(manual_plain, recipe_plain, net=_nested_net, precisions=MIXED_PRECISIONS),
     "step_then_forward": Case(manual_step_then_forward, recipe_plain, check_records=_saw_updated_weights),
 }
@@ -318,48 +301,33 @@ class _RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _recording(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        self.records.append((f"scaler.{name}", _autocast_on()))
+        return getattr(GradScaler, name)(self, *args, **kwargs)
+
+    return method
+
+
 class _RecordingScaler(GradScaler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.records: list = []
 
-    def scale(self, outputs):
-        self.records.append(("scaler.scale", _autocast_on()))
-        return super().scale(outputs)
-
-    def unscale_(self, optimizer):
-        self.records.append(("scaler.unscale_", _autocast_on()))
-        return super().unscale_(optimizer)
-
-    def step(self, optimizer, *args, **kwargs):
-        self.records.append(("scaler.step", _autocast_on()))
-        return super().step(optimizer, *args, **kwargs)
-
-    def update(self, new_scale=None):
-        self.records.append(("scaler.update", _autocast_on()))
-        return super().update(new_scale)
+    scale, unscale_, step, update = (_recording(name) for name in ("scale", "unscale_", "step", "update"))
 
 
 def check_autocast_off(package: str, precision: str, variant: str) -> None:
-    """Record ``torch.is_autocast_enabled("cpu")`` everywhere between the forward and the end of the step.
-
-    ``variant="step"``: forward, ``manual_backward``, ``clip_gradients``, ``opt.step()`` in the ``training_step`` body;
-    ``variant="closure"``: the same inside a closure passed to ``opt.step(closure=...)``, whose forward must run under
-    autocast again.
-
-    """
+    """Record ``torch.is_autocast_enabled("cpu")`` everywhere from the forward to the end of the step, in the
+    ``training_step`` body (``variant="step"``) or in a closure passed to ``opt.step`` (``"closure"``)."""
     api = lightning_api(package)
     records: list = []
 
-    class Module(api.RecipeModule):
-        def on_before_backward(self, loss):
-            records.append(("on_before_backward", _autocast_on()))
+    def hook(name: str) -> Callable:
+        return lambda *_: records.append((name, _autocast_on()))
 
-        def on_after_backward(self):
-            records.append(("on_after_backward", _autocast_on()))
-
-        def on_before_optimizer_step(self, optimizer):
-            records.append(("on_before_optimizer_step", _autocast_on()))
+    hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+    Module = type("Module", (api.RecipeModule,), {name: hook(name) for name in hooks})
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
@@ -410,16 +378,7 @@ def check_autocast_off(package: str, precision: str, variant: str) -> None:
     seen: dict = {}
     for where, enabled in records:
         seen.setdefault(where, set()).add(enabled)
-    expected_places = {
-        "training_step",
-        "forward",
-        "backward",
-        "on_before_backward",
-        "on_after_backward",
-        "clip_grad_norm_",
-        "on_before_optimizer_step",
-        "optimizer.step",
-    }
+    expected_places = {"training_step", "forward", "backward", "clip_grad_norm_", "optimizer.step", *hooks}
     if scaler is not None:
         expected_places |= {"scaler.scale", "scaler.unscale_", "scaler.step", "scaler.update"}
     assert expected_places <= seen.keys(), f"never observed: {expected_places - seen.keys()}"
