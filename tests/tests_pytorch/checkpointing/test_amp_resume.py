@@ -1,52 +1,23 @@
 """Resuming from a checkpoint under 16-mixed continues exactly like the uninterrupted run (promise 9).
 
-Each case trains a tiny MLP for ``TOTAL`` batches without interruption, saving a checkpoint after every batch
-(``ModelCheckpoint(every_n_train_steps=..., save_top_k=-1)``, the way users save mid-epoch), then resumes from chosen
-checkpoints with ``trainer.fit(model, ckpt_path=...)`` in a fresh ``Trainer`` with a fresh model, and requires the end
-of the resumed run to be bitwise the end of the uninterrupted one: parameters, optimizer state, LR scheduler state and
-the gradient scaler's state (scale and growth tracker), and, batch by batch after the resume, the same scale, the same
-skipped steps and the same learning rate.
+Each case trains ``TOTAL`` batches saving a checkpoint after every batch, resumes from chosen ones with
+``trainer.fit(model, ckpt_path=...)`` in a fresh ``Trainer`` and model, and requires the end bitwise the uninterrupted
+run's (parameters, optimizer, LR scheduler and scaler state) and, batch by batch after the resume, the same scale,
+skips and learning rate. A lost piece of state cannot hide: the scale grows every ``GROWTH_INTERVAL = 2`` clean steps
+(the growth tracker matters), ``inf`` is forced around the save points, AdamW (unfused and fused) with a step-interval
+``StepLR`` moves only on applied steps, in automatic and manual optimization with one or two optimizers.
 
-Chosen so that a lost piece of state cannot hide:
-
-* the scaler grows every ``GROWTH_INTERVAL = 2`` clean steps, so its growth tracker is part of the state that matters
-  (the checkpoint at the epoch boundary holds a tracker of 1, and the first batch after the resume grows the scale);
-* ``inf`` is forced into the loss of the batches in ``FORCED``: two in a row with save points between and right after
-  them, one right after a mid-epoch and one right after an epoch-boundary save point;
-* AdamW (unfused and ``fused=True``) with a step-interval ``StepLR``: step counters, moments and the LR all move only
-  on applied steps;
-* automatic optimization, manual optimization with one optimizer, and manual optimization with two optimizers fed by one
-  backward (one scaler update per batch, both unscaled with the scale that scaled them).
-
-How Lightning 2.6.6 resumes the *data* (stock behaviour, not something the fork changes; measured here):
-
-* A dataloader without ``state_dict``/``load_state_dict`` is restarted from its beginning when resuming mid-epoch,
-  while ``batch_idx`` continues from the checkpoint and the epoch ends after the remaining number of batches (stock
-  warns "your dataloader is not resumable"). A model that trains on the loader's batches would therefore see batches
-  0, 1, ... again instead of k, k+1, ...: not the uninterrupted run, whatever the precision plugin does. So the cases
-  below take their data from a deterministic function of the global batch index (``trainer.fit_loop.total_batch_idx``,
-  which the checkpoint restores), and the loader only yields positions, which are recorded to show the replay.
-* A *sized* loader with ``state_dict``/``load_state_dict`` is saved and restored by Lightning
-  (``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``) and continues where it stopped: then the
-  model may train on the loader's own batches (``test_stateful_loader_resumes_in_place``). Without ``__len__``
-  Lightning's fetcher prefetches one batch, so the saved state is one batch ahead and a resumed run skips a batch.
-* ``trainer.save_checkpoint`` called after ``fit`` returned stores the running epoch as finished. Resumed towards a
-  ``max_steps`` limit (iteration-based training, as here), Lightning continues ``batch_idx`` from the checkpoint but
-  numbers the epochs from the stored counter: after ``fit(max_steps=6)`` (epoch 1, 2 batches done) the resumed run
-  trains epoch "2" from ``batch_idx`` 2; after a full epoch it first runs one batch with ``batch_idx == len(loader)``
-  (the loader restarted) and then the next epoch. The sequence of optimizer steps is unchanged, so with data keyed by
-  the global batch index the resume is still bitwise (``test_save_checkpoint_after_fit``); data keyed by epoch or
-  ``batch_idx`` would not be. Checkpoints written by ``ModelCheckpoint`` during the run do not have this problem.
-
-Compatibility with stock: a checkpoint saved by the unpatched ``stock_pytorch_lightning`` 2.6.6 (its own ``Trainer`` and
-``LightningModule`` classes) resumes in the fork and vice versa, scaler state included, and both have the same layout.
+Stock 2.6.6 restarts a loader without ``state_dict`` when resuming mid-epoch while ``batch_idx`` continues, so the cases
+take their data from the global batch index (``trainer.fit_loop.total_batch_idx``, which the checkpoint restores) and
+the loader only yields positions. A checkpoint of the unpatched ``stock_pytorch_lightning`` 2.6.6 resumes in the fork
+and vice versa, scaler state included.
 """
 
 import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -142,95 +113,77 @@ CASES = [
 ]
 
 
-@functools.cache
-def module_class(package: str) -> type:
-    pl = lightning_api(package).pl
+def new_module(package: str, case: Case):
+    """The oracle's ``RecipeModule`` around ``mlp()``: data by global batch index (or the loader's with
+    ``loader_data``), ``inf`` in the forced batches, AdamW with a step-interval ``StepLR`` per optimizer."""
 
-    class ResumeModule(pl.LightningModule):
-        def __init__(self, case: Case) -> None:
-            super().__init__()
-            self.case = case
-            self.net = mlp()
-            self.automatic_optimization = case.automatic
+    def training_step(self, batch, batch_idx):
+        index = self.trainer.fit_loop.total_batch_idx
+        x, y = batch if case.loader_data else batch_for(index)
+        loss = inject_inf(mlp_loss(self.net, x, y), index, case.forced)
+        if self.automatic_optimization:
+            return loss
+        opts, schedulers = _as_list(self.optimizers()), _as_list(self.lr_schedulers())
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        for opt, scheduler in zip(opts, schedulers):
+            if not opt.step_was_skipped:  # the documented pattern (the fork's signal)
+                scheduler.step()
+        return None
 
-        def training_step(self, batch, batch_idx):
-            index = self.trainer.fit_loop.total_batch_idx
-            x, y = batch if self.case.loader_data else batch_for(index)
-            loss = inject_inf(mlp_loss(self.net, x, y), index, self.case.forced)
-            if self.automatic_optimization:
-                return loss
-            opts, schedulers = _as_list(self.optimizers()), _as_list(self.lr_schedulers())
-            for opt in opts:
-                opt.zero_grad()
-            self.manual_backward(loss)
-            for opt in opts:
-                opt.step()
-            for opt, scheduler in zip(opts, schedulers):
-                if not opt.step_was_skipped:  # the documented pattern (the fork's signal)
-                    scheduler.step()
-            return None
+    def configure(net):
+        groups = [net.parameters()] if case.optimizers == 1 else [net[0].parameters(), net[2].parameters()]
+        opts = [optimizer(torch.optim.AdamW, params, lr=1e-2, fused=case.fused) for params in groups]
+        schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in opts]
+        if case.automatic:
+            return [{"optimizer": opts[0], "lr_scheduler": {"scheduler": schedulers[0], "interval": "step"}}]
+        return [opts, schedulers]
 
-        def configure_optimizers(self):
-            if self.case.optimizers == 1:
-                groups = [self.net.parameters()]
-            else:
-                groups = [self.net[0].parameters(), self.net[2].parameters()]
-            opts = [optimizer(torch.optim.AdamW, params, lr=1e-2, fused=self.case.fused) for params in groups]
-            schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in opts]
-            if self.case.automatic:
-                return {"optimizer": opts[0], "lr_scheduler": {"scheduler": schedulers[0], "interval": "step"}}
-            return opts, schedulers
-
-    return ResumeModule
+    return lightning_api(package).RecipeModule(mlp(), configure, training_step, case.automatic, "16-mixed")
 
 
 def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-@dataclass
-class Trajectory:
-    """After each batch: where it was, what the scaler and the optimizers did."""
-
-    index: list[int] = field(default_factory=list)
-    epoch: list[int] = field(default_factory=list)
-    batch_idx: list[int] = field(default_factory=list)
-    loader_position: list[Optional[int]] = field(default_factory=list)
-    scale: list[float] = field(default_factory=list)
-    skipped: list[tuple[bool, ...]] = field(default_factory=list)
-    lr: list[tuple[float, ...]] = field(default_factory=list)
-    #: the scaler's state when training started (after a checkpoint was loaded)
-    scaler_at_start: Optional[dict] = None
-
-    def after(self, index: int) -> dict[str, list]:
-        """The per-batch records from global batch ``index`` on (``skipped`` is empty under stock: no signal)."""
-        keep = [i for i, j in enumerate(self.index) if j >= index]
-        names = ("index", "scale", "skipped", "lr") if self.skipped else ("index", "scale", "lr")
-        return {name: [getattr(self, name)[i] for i in keep] for name in names}
-
-
 @functools.cache
 def recorder_class(package: str) -> type:
-    pl = lightning_api(package).pl
+    class Record(lightning_api(package).Callback):
+        """Per batch: where it was, what the scaler and the optimizers did; the scaler's state at the start."""
 
-    class Record(pl.Callback):
         def __init__(self) -> None:
-            self.trajectory = Trajectory()
+            self.rows: list[dict] = []
+            self.scaler_at_start = None
 
         def on_train_start(self, trainer, pl_module):
-            self.trajectory.scaler_at_start = trainer.precision_plugin.scaler.state_dict()
+            self.scaler_at_start = trainer.precision_plugin.scaler.state_dict()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            t = self.trajectory
-            t.index.append(trainer.fit_loop.total_batch_idx)
-            t.epoch.append(trainer.current_epoch)
-            t.batch_idx.append(batch_idx)
-            t.loader_position.append(int(batch) if isinstance(batch, torch.Tensor) else None)
-            t.scale.append(trainer.precision_plugin.scaler.get_scale())
             optimizers = trainer.strategy._lightning_optimizers
-            if hasattr(optimizers[0], "step_was_skipped"):
-                t.skipped.append(tuple(opt.step_was_skipped for opt in optimizers))
-            t.lr.append(tuple(opt.param_groups[0]["lr"] for opt in trainer.optimizers))
+            self.rows.append(
+                {
+                    "index": trainer.fit_loop.total_batch_idx,
+                    "epoch": trainer.current_epoch,
+                    "batch_idx": batch_idx,
+                    "loader_position": int(batch) if isinstance(batch, torch.Tensor) else None,
+                    "scale": trainer.precision_plugin.scaler.get_scale(),
+                    # stock 2.6.6 has no skip signal
+                    "skipped": tuple(o.step_was_skipped for o in optimizers)
+                    if hasattr(optimizers[0], "step_was_skipped")
+                    else None,
+                    "lr": tuple(opt.param_groups[0]["lr"] for opt in trainer.optimizers),
+                }
+            )
+
+        def column(self, name: str) -> list:
+            return [row[name] for row in self.rows]
+
+        def after(self, index: int) -> list[dict]:
+            keys = ("index", "scale", "skipped", "lr")
+            return [{k: row[k] for k in keys} for row in self.rows if row["index"] >= index]
 
     return Record
 
@@ -244,7 +197,7 @@ class End:
     schedulers: list[dict]
     scaler: dict
     global_step: int
-    trajectory: Trajectory
+    trajectory: Any  # the Record
 
 
 def make_trainer(package: str, case: Case, callbacks=(), **kwargs: Any):
@@ -263,7 +216,7 @@ def make_trainer(package: str, case: Case, callbacks=(), **kwargs: Any):
 def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **kwargs: Any) -> End:
     record = recorder_class(package)()
     trainer = make_trainer(package, case, callbacks=[record, *callbacks], **kwargs)
-    model = module_class(package)(case)
+    model = new_module(package, case)
     if loader is None:
         loader = ResumableBatches() if case.loader_data else Positions(BATCHES_PER_EPOCH)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
@@ -273,7 +226,7 @@ def fit(package: str, case: Case, ckpt_path=None, callbacks=(), loader=None, **k
         schedulers=[config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         scaler=trainer.precision_plugin.scaler.state_dict(),
         global_step=trainer.global_step,
-        trajectory=record.trajectory,
+        trajectory=record,
     )
 
 
@@ -312,7 +265,7 @@ def assert_same_end(resumed: End, uninterrupted: End, resumed_after: int) -> Non
     assert_equal_state(resumed.schedulers, uninterrupted.schedulers, "scheduler")
     assert resumed.scaler == uninterrupted.scaler
     # and on the way there: the resumed run did batch by batch what the uninterrupted run did
-    assert resumed.trajectory.index == list(range(resumed_after, TOTAL))
+    assert resumed.trajectory.column("index") == list(range(resumed_after, TOTAL))
     assert resumed.trajectory.after(resumed_after) == uninterrupted.trajectory.after(resumed_after)
 
 
@@ -332,9 +285,8 @@ def uninterrupted(tmp_path_factory):
 
 def _sanity(end: End, case: Case) -> None:
     """The uninterrupted run exercises what the resume cases claim to cover."""
-    t = end.trajectory
-    assert t.index == list(range(TOTAL))
-    assert t.skipped == [(i in case.forced,) * case.optimizers for i in range(TOTAL)]
+    assert end.trajectory.column("index") == list(range(TOTAL))
+    assert end.trajectory.column("skipped") == [(i in case.forced,) * case.optimizers for i in range(TOTAL)]
     assert end.scaler["growth_interval"] == GROWTH_INTERVAL
 
 
@@ -345,20 +297,20 @@ def test_resume_is_bitwise_the_uninterrupted_run(case, resume_after, uninterrupt
     _sanity(reference, case)
     checkpoint = torch.load(checkpoint_after(dirpath, case, resume_after), weights_only=False)
     # the scaler state in the checkpoint is the one after the saved batch's single update
-    assert checkpoint["MixedPrecision"]["scale"] == reference.trajectory.scale[resume_after - 1]
+    assert checkpoint["MixedPrecision"]["scale"] == reference.trajectory.rows[resume_after - 1]["scale"]
     assert checkpoint["global_step"] == resume_after * case.steps_per_batch
 
     resumed = fit("lightning", case, ckpt_path=checkpoint_after(dirpath, case, resume_after))
     assert resumed.trajectory.scaler_at_start == checkpoint["MixedPrecision"]
     assert_same_end(resumed, reference, resume_after)
     if resume_after % BATCHES_PER_EPOCH:
-        # mid-epoch: stock Lightning restarted the non-resumable loader from its first position (see the docstring);
+        # mid-epoch: stock Lightning restarted the non-resumable loader from its first position;
         # only because the data is keyed by the global batch index is this the same run
-        assert resumed.trajectory.loader_position[0] == 0
-        assert resumed.trajectory.batch_idx[0] == resume_after % BATCHES_PER_EPOCH
+        assert resumed.trajectory.rows[0]["loader_position"] == 0
+        assert resumed.trajectory.rows[0]["batch_idx"] == resume_after % BATCHES_PER_EPOCH
     else:
-        assert resumed.trajectory.epoch[0] == resume_after // BATCHES_PER_EPOCH
-        assert resumed.trajectory.batch_idx[0] == 0
+        assert resumed.trajectory.rows[0]["epoch"] == resume_after // BATCHES_PER_EPOCH
+        assert resumed.trajectory.rows[0]["batch_idx"] == 0
 
 
 def test_save_points_cover_the_scaler_state(uninterrupted):
@@ -436,21 +388,25 @@ def test_unsized_resumable_loader_is_saved_one_batch_ahead(tmp_path):
     ids=["max_epochs=1", "max_steps=4", "max_steps=6"],
 )
 def test_save_checkpoint_after_fit(first, resumed_at, tmp_path):
-    """``trainer.save_checkpoint`` after a finished ``fit``, then ``fit(ckpt_path=...)`` to ``TOTAL`` batches."""
+    """``trainer.save_checkpoint`` after a finished ``fit``, then ``fit(ckpt_path=...)`` to ``TOTAL`` batches: stock
+    2.6.6 stores the epoch as finished, continues ``batch_idx`` but numbers the epochs from the stored counter (after a
+    full epoch it first runs a batch with ``batch_idx == len(loader)``); the steps are unchanged, so data keyed by the
+    global batch index resumes bitwise."""
     case = CASES[0]
     reference = fit("lightning", case)
     record = recorder_class("lightning")()
     trainer = make_trainer("lightning", case, callbacks=[record], **first)
-    trainer.fit(module_class("lightning")(case), train_dataloaders=Positions(BATCHES_PER_EPOCH))
+    trainer.fit(new_module("lightning", case), train_dataloaders=Positions(BATCHES_PER_EPOCH))
     trainer.save_checkpoint(tmp_path / "first.ckpt")
-    done = len(record.trajectory.index)
+    done = len(record.rows)
     assert done == (BATCHES_PER_EPOCH if first["max_steps"] == -1 else first["max_steps"])
 
     resumed = fit("lightning", case, ckpt_path=tmp_path / "first.ckpt")
     assert_same_end(resumed, reference, done)
-    # where stock 2.6.6 puts the first resumed batch (see the module docstring), against the uninterrupted run
-    assert (resumed.trajectory.epoch[0], resumed.trajectory.batch_idx[0]) == resumed_at
-    assert (reference.trajectory.epoch[done], reference.trajectory.batch_idx[done]) == divmod(done, BATCHES_PER_EPOCH)
+    # where stock 2.6.6 puts the first resumed batch, against the uninterrupted run
+    first_resumed, same_in_reference = resumed.trajectory.rows[0], reference.trajectory.rows[done]
+    assert (first_resumed["epoch"], first_resumed["batch_idx"]) == resumed_at
+    assert (same_in_reference["epoch"], same_in_reference["batch_idx"]) == divmod(done, BATCHES_PER_EPOCH)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -508,7 +464,7 @@ def test_fork_checkpoint_with_loss_scale_monitor_resumes_in_stock(tmp_path):
     fork = make_trainer(
         "lightning", COMPAT, max_steps=COMPAT_SAVE_AFTER, logger=CSVLogger(tmp_path), callbacks=[LossScaleMonitor()]
     )
-    fork.fit(module_class("lightning")(COMPAT), train_dataloaders=Positions(BATCHES_PER_EPOCH))
+    fork.fit(new_module("lightning", COMPAT), train_dataloaders=Positions(BATCHES_PER_EPOCH))
     fork.save_checkpoint(tmp_path / "fork.ckpt")
     assert "LossScaleMonitor" in torch.load(tmp_path / "fork.ckpt", weights_only=False)["callbacks"]
 
