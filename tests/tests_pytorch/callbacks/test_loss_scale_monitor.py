@@ -1,13 +1,9 @@
 """``LossScaleMonitor`` logs the gradient scaler's loss scale and the number of skipped optimizer steps.
 
-A tiny MLP is trained under 16-mixed with ``inf`` forced into the loss of chosen batches; the logged values must equal
-what PyTorch's AMP recipe, written by hand, shows after the same batches: the scale after the batch's update, and the
-number of steps skipped so far. The scaler starts at a small power of two with ``growth_interval=1`` so that every
-batch moves the scale (doubles it, or halves it on a skip) and a value logged one batch off cannot pass.
-
-The training data is a function of ``batch_idx`` (the dataloader only yields positions), so that a run resumed mid-epoch
-trains on the same batches as the uninterrupted one: Lightning 2.6 restarts a non-resumable dataloader from its start
-when it resumes mid-epoch, while ``batch_idx`` continues (see ``tests_pytorch/checkpointing/test_amp_resume.py``).
+Under 16-mixed with ``inf`` forced into chosen batches, the logged values must equal what PyTorch's AMP recipe shows
+after the same batches; ``growth_interval=1`` moves the scale every batch, so a value logged one batch off cannot pass.
+The data is a function of ``batch_idx`` (the loader yields positions) so that a run resumed mid-epoch trains on the
+uninterrupted run's batches (see ``tests_pytorch/checkpointing/test_amp_resume.py``).
 """
 
 import csv
@@ -32,7 +28,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning.fabric import connector as fabric_connector
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LossScaleMonitor, ModelCheckpoint
 
 FORCED = (0, 3, 4)
@@ -45,30 +41,30 @@ def _quiet():
 
 
 @functools.cache
-def recipe(forced=FORCED, optimizers: int = 1) -> tuple[list[float], list[int]]:
-    """PyTorch's AMP recipe: the scale after each batch and the number of skipped steps (of all optimizers) so far.
-
-    With two optimizers, each owns one layer of the MLP and both are fed by one backward (one update per batch).
-    """
+def recipe(forced=FORCED, optimizers: int = 1, accumulate: int = 1, cache: bool = AUTOCAST_CACHE) -> dict:
+    """PyTorch's AMP recipe: ``batch -> (scale, skipped steps of all optimizers so far)`` after each batch that steps
+    (every ``accumulate``-th). With two optimizers each owns one layer of the MLP, both fed by one backward."""
     net = mlp()
     groups = [list(net.parameters())] if optimizers == 1 else [list(net[0].parameters()), list(net[2].parameters())]
     opts = [torch.optim.AdamW(params, lr=1e-2) for params in groups]
     scaler = new_scaler(init_scale=LOW_INIT_SCALE)
-    scales, skipped, total = [], [], 0
+    out, total = {}, 0
     for i, (x, y) in enumerate(make_batches()):
-        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=AUTOCAST_CACHE):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=cache):
             loss = inject_inf(mlp_loss(net, x, y), i, forced)
         scaler.scale(loss).backward()
+        if (i + 1) % accumulate:
+            continue
         for opt in opts:
             before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
             scaler.step(opt)
             total += all(torch.equal(b, p) for b, p in zip(before, opt.param_groups[0]["params"]))
             opt.zero_grad(set_to_none=True)
         scaler.update()
-        scales.append(scaler.get_scale())
-        skipped.append(total)
-    assert skipped[-1] == optimizers * len(forced)  # the recipe is sharp: exactly the forced steps were skipped
-    return scales, skipped
+        out[i] = (scaler.get_scale(), float(total))
+    if accumulate == 1:  # the recipe is sharp: exactly the forced steps were skipped
+        assert total == optimizers * len(forced)
+    return out
 
 
 class Model(LightningModule):
@@ -78,6 +74,7 @@ class Model(LightningModule):
         self.forced = forced
         self.n_optimizers = optimizers
         self.automatic_optimization = optimizers == 1
+        self.lr = 1e-2
 
     def training_step(self, batch, batch_idx):
         x, y = make_batches()[batch_idx]
@@ -93,8 +90,8 @@ class Model(LightningModule):
 
     def configure_optimizers(self):
         if self.n_optimizers == 1:
-            return torch.optim.AdamW(self.net.parameters(), lr=1e-2)
-        return [torch.optim.AdamW(layer.parameters(), lr=1e-2) for layer in (self.net[0], self.net[2])]
+            return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
+        return [torch.optim.AdamW(layer.parameters(), lr=self.lr) for layer in (self.net[0], self.net[2])]
 
 
 class CaptureLogger(Logger):
@@ -123,7 +120,7 @@ class CaptureLogger(Logger):
         return {s: (m["loss_scale"], m["skipped_steps"]) for s, m in self.calls if "loss_scale" in m}
 
 
-def trainer(precision: str = "16-mixed", **kwargs: Any) -> Trainer:
+def trainer(precision: str = "16-mixed", **kwargs: Any):
     scaler = new_scaler(init_scale=LOW_INIT_SCALE) if precision == "16-mixed" else None
     # Lightning's default logger unless a test passes one
     return make_trainer(lightning_api(FORK), precision, scaler=scaler, **{"logger": None, **kwargs})
@@ -131,8 +128,7 @@ def trainer(precision: str = "16-mixed", **kwargs: Any) -> Trainer:
 
 def expected_log(steps, forced=FORCED, optimizers: int = 1) -> dict[int, tuple[float, float]]:
     """The recipe's scale and skip count after the batches with the given indices (= the logged ``step``)."""
-    scales, skipped = recipe(forced, optimizers)
-    return {s: (scales[s], float(skipped[s])) for s in steps}
+    return {s: recipe(forced, optimizers)[s] for s in steps}
 
 
 def test_exported_from_callbacks():
@@ -151,9 +147,9 @@ def test_csv_logger_gets_the_recipes_scale_and_skip_count(tmp_path):
     logged = {int(row["step"]): (float(row["loss_scale"]), float(row["skipped_steps"])) for row in rows}
     # the logged step is the batch's, as for `self.log` in the training_step: 0..N-1 with log_every_n_steps=1
     assert logged == expected_log(range(TRAINER_BATCHES))
-    scales, skipped = recipe()
-    assert monitor.history == {"loss_scale": scales, "skipped_steps": [float(s) for s in skipped]}
-    assert scales[:5] == [8.0, 16.0, 32.0, 16.0, 8.0]  # the forced skips of batches 0, 3 and 4 show
+    scales, skipped = zip(*recipe().values())
+    assert monitor.history == {"loss_scale": list(scales), "skipped_steps": list(skipped)}
+    assert scales[:5] == (8.0, 16.0, 32.0, 16.0, 8.0)  # the forced skips of batches 0, 3 and 4 show
 
 
 @pytest.mark.parametrize(
@@ -195,23 +191,9 @@ class ManualAccumulation(Model):
 
 def test_manual_accumulation_logs_once_per_optimizer_step():
     """As automatic accumulation does: after each batch that stepped, the scale that batch's update left."""
-    net = mlp()
-    opt, scaler = torch.optim.AdamW(net.parameters(), lr=1e-2), new_scaler(init_scale=LOW_INIT_SCALE)
-    scales, skipped = {}, 0
-    for i, (x, y) in enumerate(make_batches()):
-        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
-            loss = inject_inf(mlp_loss(net, x, y), i, FORCED)
-        scaler.scale(loss).backward()
-        if i % 2:
-            before = [p.detach().clone() for p in net.parameters()]
-            scaler.step(opt)
-            skipped += all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
-            opt.zero_grad()
-            scaler.update()
-            scales[i] = (scaler.get_scale(), float(skipped))
     logger = CaptureLogger()
     trainer(logger=logger, callbacks=[LossScaleMonitor(log_every_n_steps=1)]).fit(ManualAccumulation(), Positions())
-    assert logger.scale_log() == scales
+    assert logger.scale_log() == recipe(accumulate=2, cache=False)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
@@ -226,15 +208,8 @@ def test_raises_for_16_mixed_that_became_bf16_on_cpu(monkeypatch):
     # `raising=False`: the flag exists only from the patch cpu-16-mixed-is-float16 on
     monkeypatch.setattr(fabric_connector, "_TORCH_GREATER_EQUAL_2_3", False, raising=False)
     with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
-        cpu_16 = Trainer(
-            accelerator="cpu",
-            precision="16-mixed",
-            max_epochs=1,
-            logger=CaptureLogger(),
-            callbacks=[LossScaleMonitor()],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        cpu_16 = make_trainer(
+            lightning_api(FORK), "16-mixed", scaler="lightning", logger=CaptureLogger(), callbacks=[LossScaleMonitor()]
         )
     with pytest.raises(MisconfigurationException, match="`LossScaleMonitor` needs a gradient scaler"):
         cpu_16.fit(Model(forced=()), Positions())
@@ -274,7 +249,7 @@ def test_skipped_steps_survive_a_resume(tmp_path):
     uninterrupted = _uninterrupted_with_checkpoints(str(tmp_path), 1)
     assert uninterrupted == expected_log(range(TRAINER_BATCHES))
     state = torch.load(tmp_path / f"step={RESUME_AT}.ckpt", weights_only=False)["callbacks"]["LossScaleMonitor"]
-    assert state == {"skipped_steps": recipe()[1][RESUME_AT - 1]} == {"skipped_steps": 2}
+    assert state == {"skipped_steps": recipe()[RESUME_AT - 1][1]} == {"skipped_steps": 2}
 
     resumed, monitor = _resume(tmp_path, 1)
     # the resumed run logs the same values as the uninterrupted one, the count carried on from the checkpoint
@@ -305,15 +280,6 @@ def test_a_second_fit_on_the_same_trainer_counts_the_checkpoints_skips_once(tmp_
     assert monitor.state_dict() == {"skipped_steps": 2 * len(FORCED)}
 
 
-class LearningRateModel(Model):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lr = 1e-2
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.net.parameters(), lr=self.lr)
-
-
 def test_the_skips_of_lr_find_do_not_carry_into_the_fit_that_follows():
     """``Tuner.lr_find`` trains (and skips steps) on the same Trainer before the fit: the fit's count starts at zero,
     and its scale at the one lr_find restored."""
@@ -321,7 +287,7 @@ def test_the_skips_of_lr_find_do_not_carry_into_the_fit_that_follows():
 
     logger, monitor = CaptureLogger(), LossScaleMonitor(log_every_n_steps=1)
     fit = trainer(logger=logger, callbacks=[monitor], log_every_n_steps=1, max_epochs=1)
-    model = LearningRateModel()
+    model = Model()
     Tuner(fit).lr_find(model, train_dataloaders=Positions(), num_training=TRAINER_BATCHES, update_attr=False)
     assert int(fit.precision_plugin._recipe.skipped_steps) >= len(FORCED)  # lr_find's own skips
     logger.calls.clear()
