@@ -47,23 +47,13 @@ def _autocast():
 
 
 def _module(api, net: nn.Module, configure: Callable, step: Callable, automatic: bool = False):
-    """A LightningModule of ``api`` holding ``net``: ``configure(net)`` gives its optimizers, ``step(module, batch,
-    batch_idx)`` is its ``training_step``; ``records`` collects what a step or hook saw."""
+    """The oracle's ``RecipeModule`` of ``api``: ``configure(net)`` gives the optimizer or a list of them."""
 
-    class Module(api.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = automatic
-            self.net = net
-            self.records: list = []
+    def optimizers(net):
+        opts = configure(net)
+        return opts if isinstance(opts, list) else [opts]
 
-        def configure_optimizers(self):
-            return configure(self.net)
-
-        def training_step(self, batch, batch_idx):
-            return step(self, batch, batch_idx)
-
-    return Module()
+    return api.RecipeModule(net, optimizers, step, automatic, "16-mixed")
 
 
 def _fit(package: str, make_module: Callable, scaler_kwargs: dict, **trainer_kwargs) -> tuple:
