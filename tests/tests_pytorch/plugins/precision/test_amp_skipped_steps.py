@@ -1,22 +1,11 @@
-"""Skipped optimizer steps under 16-mixed are visible, and step-interval LR schedulers do not advance on them.
+"""Skipped steps under 16-mixed are visible, and step-interval LR schedulers do not advance on them (promise 7).
 
-Promise 7 of the fork's design. The gradient scaler skips an optimizer step whose gradients hold inf/NaN and
-backs the loss scale off. The fork tells whether the last step of an optimizer was skipped
-(``LightningOptimizer.step_was_skipped``, answered by ``Precision.optimizer_step_was_skipped``), and in automatic
-optimization a scheduler with ``interval="step"`` stays put on such a step.
-
-Overflows are forced: the loss of chosen batches is multiplied by ``inf``. The scaler starts at a small power of two
-with ``growth_interval=1``, so the scale doubles after every applied step and halves after every skipped one, and no
-overflow happens on its own in these few batches (the recipe checks that the skips are exactly the forced ones).
-
-The reference is PyTorch's AMP recipe written by hand (:func:`recipe_run`): autocast around forward and loss,
-``scaler.scale(loss).backward()``, ``scaler.step(opt)``, one ``scaler.update()`` per iteration, and the scheduler
-stepped only when the update did not back off (the scale went down exactly when the step was skipped). Parameters, LR
-trajectory and scale trajectory must be equal bitwise. The unpatched ``stock_pytorch_lightning`` 2.6.6 is the negative
-control: it advances the scheduler on skipped steps.
-
-Decisions checked here: ``global_step``, ``max_steps`` and ``ModelCheckpoint(every_n_train_steps=...)`` count
-optimizer step calls, skipped or not, so the length of a run and the checkpoint cadence do not depend on overflows.
+The fork tells whether an optimizer's last step was skipped (``LightningOptimizer.step_was_skipped``, answered by
+``Precision.optimizer_step_was_skipped``), and in automatic optimization an ``interval="step"`` scheduler stays put on
+such a step. Overflows are forced (``inf`` in the loss of chosen batches) from a small power-of-two scale with
+``growth_interval=1``; the reference is PyTorch's AMP recipe (:func:`recipe_run`), its scheduler stepped only when the
+update did not back off, equal bitwise (parameters, LR and scale). Stock 2.6.6, the negative control, advances the
+scheduler on skipped steps. ``global_step``, ``max_steps`` and ``every_n_train_steps`` count step calls, skipped or not.
 """
 
 import functools
@@ -28,8 +17,7 @@ import pytest
 import torch
 from amp_oracle.run import Run, assert_same_run
 from amp_oracle.torch_features import optimizer
-from amp_oracle.trainer import STOCK, lightning_api, quiet_trainer
-from amp_oracle.trainer import make_trainer as shared_make_trainer
+from amp_oracle.trainer import STOCK, lightning_api, make_trainer, quiet_trainer
 from amp_oracle.world import (
     AUTOCAST_CACHE,
     LOW_INIT_SCALE,
@@ -131,52 +119,36 @@ def cached_recipe(optimizer: str, scheduler: Optional[str], forced=FORCED, accum
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def module_class(package: str) -> type:
-    pl = lightning_api(package).pl
+def new_module(package: str, optimizer: str, scheduler: Optional[str], automatic: bool, forced=FORCED, none_at=()):
+    """The oracle's ``RecipeModule`` around ``mlp()``: ``inf`` in the loss of ``forced`` batches, ``None`` returned by
+    the ``training_step`` of ``none_at`` batches (automatic only). Manual optimization follows the documented pattern
+    ``opt.step(); if not opt.step_was_skipped: scheduler.step()`` and records ``step_was_skipped`` before the first
+    step (``read_before_first_step``) and right after every step (``records``)."""
 
-    class SkipModule(pl.LightningModule):
-        """``mlp`` trained on the fixed batches, ``inf`` in the loss of ``forced`` batches, ``None`` returned by the
-        ``training_step`` of ``none_at`` batches (automatic optimization only). In manual optimization it follows the
-        documented pattern ``opt.step(); if not opt.step_was_skipped: scheduler.step()``."""
-
-        def __init__(
-            self, optimizer: str, scheduler: Optional[str], automatic: bool, forced=FORCED, none_at=()
-        ) -> None:
-            super().__init__()
-            self.net = mlp()
-            self.optimizer_name, self.scheduler_name = optimizer, scheduler
-            self.automatic_optimization = automatic
-            self.forced, self.none_at = forced, none_at
-            #: manual mode: ``step_was_skipped`` read right after ``opt.step()``, and before the first step
-            self.read_after_step: list[bool] = []
-            self.read_before_first_step: Optional[bool] = None
-
-        def training_step(self, batch, batch_idx):
-            if batch_idx in self.none_at:
-                return None
-            loss = inject_inf(mlp_loss(self.net, *batch), batch_idx, self.forced)
-            if self.automatic_optimization:
-                return loss
-            opt = self.optimizers()
-            if batch_idx == 0:
-                self.read_before_first_step = opt.step_was_skipped
-            opt.zero_grad()
-            self.manual_backward(loss)
-            opt.step()
-            self.read_after_step.append(opt.step_was_skipped)
-            if self.scheduler_name and not opt.step_was_skipped:
-                self.lr_schedulers().step()
+    def training_step(self, batch, batch_idx):
+        if batch_idx in none_at:
             return None
+        loss = inject_inf(mlp_loss(self.net, *batch), batch_idx, forced)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        if batch_idx == 0:
+            self.read_before_first_step = opt.step_was_skipped
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.records.append(opt.step_was_skipped)
+        if scheduler and not opt.step_was_skipped:
+            self.lr_schedulers().step()
+        return None
 
-        def configure_optimizers(self):
-            opt = OPTIMIZERS[self.optimizer_name](self.net.parameters())
-            if not self.scheduler_name:
-                return opt
-            scheduler = SCHEDULERS[self.scheduler_name](opt)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    def configure(net):
+        opt = OPTIMIZERS[optimizer](net.parameters())
+        if not scheduler:
+            return [opt]
+        return [{"optimizer": opt, "lr_scheduler": {"scheduler": SCHEDULERS[scheduler](opt), "interval": "step"}}]
 
-    return SkipModule
+    return lightning_api(package).RecipeModule(mlp(), configure, training_step, automatic, "16-mixed")
 
 
 @functools.cache
@@ -210,14 +182,10 @@ def recorder_class(package: str) -> type:
     return Record
 
 
-def make_trainer(package: str, precision: str = "16-mixed", **kwargs: Any):
-    scaler = new_scaler(init_scale=LOW_INIT_SCALE) if precision == "16-mixed" else None
-    return shared_make_trainer(lightning_api(package), precision, scaler=scaler, **kwargs)
-
-
-def fit(package: str, module, precision: str = "16-mixed", **kwargs: Any):
+def fit(package: str, module, precision: str = "16-mixed", callbacks=(), **kwargs: Any):
     record = recorder_class(package)()
-    trainer = make_trainer(package, precision, callbacks=[record, *kwargs.pop("callbacks", [])], **kwargs)
+    scaler = new_scaler(init_scale=LOW_INIT_SCALE) if precision == "16-mixed" else None
+    trainer = make_trainer(lightning_api(package), precision, scaler=scaler, callbacks=[record, *callbacks], **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, train_dataloaders=Batches())
@@ -233,14 +201,14 @@ def fit(package: str, module, precision: str = "16-mixed", **kwargs: Any):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", MODES)
 def test_step_was_skipped_exactly_on_forced_overflows(mode, optimizer):
-    module = module_class("lightning")(optimizer, None, automatic=mode == "automatic")
+    module = new_module("lightning", optimizer, None, automatic=mode == "automatic")
     _, record = fit("lightning", module)
     expected = [i in FORCED for i in range(TRAINER_BATCHES)]
 
     assert record.run.skipped == expected  # `pl_module.optimizers().step_was_skipped` in `on_train_batch_end`
     assert record.via_strategy == expected  # the strategy's `LightningOptimizer`, the same object
     if mode == "manual":
-        assert module.read_after_step == expected  # read right after `opt.step()` in `training_step`
+        assert module.records == expected  # read right after `opt.step()` in `training_step`
         assert module.read_before_first_step is False  # no step yet: nothing was skipped
     # the signal agrees with what happened: untouched weights and a backed-off scale exactly on the skipped steps
     assert record.run.changed == [not s for s in expected]
@@ -261,13 +229,13 @@ def test_stock_lightning_has_no_skip_signal():
 def test_step_was_skipped_is_false_without_a_scaler(precision, mode, optimizer):
     """Without a scaler nothing is ever skipped, not even a step with non-finite gradients: it is applied."""
     last = TRAINER_BATCHES - 1
-    module = module_class("lightning")(optimizer, None, automatic=mode == "automatic", forced=(last,))
+    module = new_module("lightning", optimizer, None, automatic=mode == "automatic", forced=(last,))
     trainer, record = fit("lightning", module, precision=precision)
     assert trainer.precision_plugin.optimizer_step_was_skipped(trainer.optimizers[0]) is False
     assert record.run.skipped == [False] * TRAINER_BATCHES
     assert record.via_strategy == [False] * TRAINER_BATCHES
     if mode == "manual":
-        assert module.read_after_step == [False] * TRAINER_BATCHES
+        assert module.records == [False] * TRAINER_BATCHES
     assert all(record.run.changed)
     assert not all(torch.isfinite(p).all() for p in record.run.params.values()), "the inf step was applied"
 
@@ -284,7 +252,7 @@ def test_step_scheduler_follows_the_recipe(mode, optimizer, scheduler):
     """Automatic: the Trainer leaves an ``interval="step"`` scheduler alone on a skipped step, fused optimizers included
     (whose skip, decided in their kernel, costs one device read per step to ask). Manual: the documented
     ``if not opt.step_was_skipped: scheduler.step()``. Both equal the recipe bitwise: LR, scale, parameters."""
-    module = module_class("lightning")(optimizer, scheduler, automatic=mode == "automatic")
+    module = new_module("lightning", optimizer, scheduler, automatic=mode == "automatic")
     trainer, record = fit("lightning", module)
     recipe = cached_recipe(optimizer, scheduler)
     assert_same_run(record.run, recipe, records=True)
@@ -296,7 +264,7 @@ def test_step_scheduler_follows_the_recipe(mode, optimizer, scheduler):
 def test_step_scheduler_with_gradient_accumulation():
     """The step at the end of an accumulation window is skipped when any of its micro-batches overflowed."""
     forced = (1, 4)  # the first micro-batch of the first window, the second of the third window
-    module = module_class("lightning")("AdamW", "StepLR", automatic=True, forced=forced)
+    module = new_module("lightning", "AdamW", "StepLR", automatic=True, forced=forced)
     _, record = fit("lightning", module, accumulate_grad_batches=2)
     recipe = cached_recipe("AdamW", "StepLR", forced, accumulate=2)
     # Lightning divides the loss by the window size before scaling it, as the recipe does
@@ -311,7 +279,7 @@ def test_step_scheduler_with_gradient_accumulation():
 def test_stock_lightning_advances_the_scheduler_on_skipped_steps(scheduler):
     """Negative control: the unpatched ``stock_pytorch_lightning`` 2.6.6 steps the scheduler on every batch, skipped or
     not, so its LR runs ahead of the weights (and PyTorch warns on the skipped first step)."""
-    module = module_class(STOCK)("AdamW", scheduler, automatic=True)
+    module = new_module(STOCK, "AdamW", scheduler, automatic=True)
     trainer, record = fit(STOCK, module)
     recipe = cached_recipe("AdamW", scheduler)
     assert record.run.scales == recipe.scales  # the same steps were skipped ...
@@ -333,7 +301,7 @@ def test_scheduler_on_a_batch_without_step_does_not_depend_on_the_previous_batch
     Measured: after an applied step the scheduler advances on the ``None`` batch, after a skipped one it does not."""
 
     def advanced_on_batch_2(forced):
-        module = module_class("lightning")("SGD", "StepLR", automatic=True, forced=forced, none_at=(2,))
+        module = new_module("lightning", "SGD", "StepLR", automatic=True, forced=forced, none_at=(2,))
         _, record = fit("lightning", module)
         assert record.run.changed[2] is False  # no step on batch 2
         return record.run.records[2] != record.run.records[1]
@@ -349,7 +317,7 @@ def test_scheduler_on_a_batch_without_step_does_not_depend_on_the_previous_batch
 @pytest.mark.parametrize("mode", MODES)
 def test_global_step_and_max_steps_count_skipped_steps(mode):
     forced = (1, 3)
-    module = module_class("lightning")("AdamW", "StepLR", automatic=mode == "automatic", forced=forced)
+    module = new_module("lightning", "AdamW", "StepLR", automatic=mode == "automatic", forced=forced)
     trainer, record = fit("lightning", module, max_steps=6)
     assert trainer.global_step == 6  # six optimizer step calls ...
     assert len(record.run.changed) == 6  # ... in six batches, after which max_steps stopped the run
@@ -367,7 +335,7 @@ def test_checkpoint_cadence_does_not_depend_on_skipped_steps(mode, tmp_path):
         checkpoint = api.pl.callbacks.ModelCheckpoint(
             dirpath=dirpath, filename="{step}", every_n_train_steps=2, save_top_k=-1
         )
-        module = module_class("lightning")("AdamW", "StepLR", automatic=mode == "automatic", forced=forced)
+        module = new_module("lightning", "AdamW", "StepLR", automatic=mode == "automatic", forced=forced)
         fit("lightning", module, max_steps=6, callbacks=[checkpoint], enable_checkpointing=True)
         saved[forced] = sorted(p.name for p in dirpath.iterdir())
     assert saved[()] == saved[(1, 3)] == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
