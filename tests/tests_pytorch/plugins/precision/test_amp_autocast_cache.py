@@ -2,7 +2,7 @@
 
 - Unset, it is on in automatic optimization where torch makes it safe (torch >= 2.11) and off in manual optimization,
   where a ``training_step`` may edit weights in place between two forwards, which the cache cannot see.
-- Where it is on, it is cleared after every backward and after every optimizer step. Each clear has a test of its own
+- Where it is on, it is cleared after every backward and after every optimizer step. Each clear has a case of its own
   that fails without it: a forward after a step with no backward in between (gradient surgery), and a forward after an
   in-place edit that follows a backward.
 - A cached cast of the wrong dtype (a weight used in a nested float16 region and in the bfloat16 rest) keeps torch's
@@ -12,10 +12,11 @@
 import pytest
 import torch
 from amp_oracle.torch_features import requires_cpu_fp16_autocast
+from amp_oracle.trainer import FORK, lightning_api, make_trainer
 from lightning.pytorch.plugins.precision.amp import _AUTOCAST_CACHE_IS_SAFE, _is_autocast_cache_dtype_mismatch
 from torch import nn
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 needs_safe_cache = pytest.mark.skipif(
@@ -105,18 +106,8 @@ class PlainAutomatic(_Module):
         return self.layer(batch).float().pow(2).sum()
 
 
-def _fit(model: LightningModule, plugin: MixedPrecision) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[plugin],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model)
-    return trainer
+def _fit(model: LightningModule, plugin: MixedPrecision) -> None:
+    make_trainer(lightning_api(FORK), "bf16-mixed", plugin=plugin).fit(model)
 
 
 def test_cache_default_before_fit_follows_torch_version():
@@ -139,32 +130,20 @@ def test_explicit_cache_stays_on_in_manual_optimization():
     assert plugin.cache_enabled is True
 
 
-def test_in_place_edit_between_forwards_is_seen_by_default():
-    model = EditBetweenForwards()
-    _fit(model, MixedPrecision("bf16-mixed", "cpu"))
-    assert model.stale == [False, False]
-
-
-@needs_safe_cache
-def test_in_place_edit_between_forwards_is_stale_with_the_cache_forced_on():
-    """The reason for the manual default: with the cache on, the second forward reuses the first forward's cast."""
-    model = EditBetweenForwards()
-    _fit(model, MixedPrecision("bf16-mixed", "cpu", cache_enabled=True))
-    assert model.stale == [True, True]
-
-
-@needs_safe_cache
-def test_forward_after_a_step_without_backward_sees_updated_weights():
-    model = StepWithoutBackwardThenForward()
-    _fit(model, MixedPrecision("bf16-mixed", "cpu", cache_enabled=True))
-    assert model.stale == [False, False]
-
-
-@needs_safe_cache
-def test_forward_after_backward_and_an_edit_sees_updated_weights():
-    model = EditAfterBackwardThenForward()
-    _fit(model, MixedPrecision("bf16-mixed", "cpu", cache_enabled=True))
-    assert model.stale == [False, False]
+@pytest.mark.parametrize(
+    ("module", "cache_enabled", "stale"),
+    [
+        pytest.param(EditBetweenForwards, None, False, id="in-place-edit-between-forwards-seen-by-default"),
+        # the reason for the manual default: with the cache on, the second forward reuses the first forward's cast
+        pytest.param(EditBetweenForwards, True, True, marks=needs_safe_cache, id="in-place-edit-stale-with-cache-on"),
+        pytest.param(StepWithoutBackwardThenForward, True, False, marks=needs_safe_cache, id="step-without-backward"),
+        pytest.param(EditAfterBackwardThenForward, True, False, marks=needs_safe_cache, id="edit-after-backward"),
+    ],
+)
+def test_a_forward_sees_the_current_weights(module, cache_enabled, stale):
+    model = module()
+    _fit(model, MixedPrecision("bf16-mixed", "cpu", cache_enabled=cache_enabled))
+    assert model.stale == [stale, stale]
 
 
 @needs_safe_cache
