@@ -15,8 +15,7 @@ whether the step was skipped (``amp_oracle/fabric.py`` explains both loops). The
    changing nothing, where stock Fabric steps on gradients divided or multiplied by the scale.
 
 The negative controls run the same cells against the unpatched Fabric 2.6.6, ``stock_lightning_fabric`` (upstream's
-pytorch_lightning wheel renamed; in this process: it is a separate package, so no subprocess is needed, and it stays
-the stock copy however the fork is installed), and show that the comparisons catch what stock Fabric does.
+wheel renamed, importable in this process), and show that the comparisons catch what stock Fabric does.
 """
 
 import gc
@@ -91,8 +90,21 @@ def test_clip_gradients_matches_recipe(cell):
     _check(cell)
 
 
-def _overflow_loop(package: str = "lightning") -> "FabricLoop":
-    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm"), package=package).train(range(INF_BATCH))
+def _weights(loop: FabricLoop) -> list:
+    return [p.detach().clone() for p in loop.model.parameters()]
+
+
+def _unchanged(loop: FabricLoop, before: list) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+
+
+def _loss(loop: FabricLoop, batch: int = 0) -> torch.Tensor:
+    x, y = make_batches(seed=DATA_SEED)[batch]
+    return torch.nn.functional.mse_loss(loop.model(x), y)
+
+
+def _overflow_loop(package: str = "lightning", fused: bool = True) -> "FabricLoop":
+    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=fused, clip="norm"), package=package).train(range(INF_BATCH))
     loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
     loop.fabric.backward(loss)
     return loop
@@ -103,18 +115,17 @@ def test_clip_by_norm_tolerates_the_overflow_step_the_scaler_skips():
     in fp16 training and the scaler skips them. The returned norm is the unscaled gradients' (inf here), the step is
     skipped and the weights are untouched, as in PyTorch's recipe."""
     loop = _overflow_loop()
-    before = [p.detach().clone() for p in loop.model.parameters()]
+    before = _weights(loop)
     norm = loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
     assert not torch.isfinite(norm)
     loop.opts[0].step()
     assert loop.opts[0].step_was_skipped
-    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert _unchanged(loop, before)
 
 
 def test_clip_by_norm_returns_the_unscaled_norm():
     loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"))
-    x, y = make_batches(seed=DATA_SEED)[0]
-    loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+    loop.fabric.backward(_loss(loop))
     grads = [p.grad.detach().clone() / loop.scaler.get_scale() for p in loop.model.parameters()]
     norm = loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
     assert torch.equal(norm, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
@@ -129,11 +140,7 @@ def test_clip_by_norm_raises_when_asked_to():
 def test_stock_fabric_clip_by_norm_raises_on_the_overflow_step():
     """Negative control: stock Fabric 2.6.6 raises on a step the scaler would skip (with a non-fused optimizer: it
     cannot clip fused ones at all)."""
-    loop = FabricLoop(Cell("16-mixed", "AdamW", fused=False, clip="norm"), package="stock_lightning_fabric").train(
-        range(INF_BATCH)
-    )
-    loss = torch.nn.functional.mse_loss(loop.model(torch.ones(4, 8)), torch.zeros(4, 4)) * float("inf")
-    loop.fabric.backward(loss)
+    loop = _overflow_loop("stock_lightning_fabric", fused=False)
     with pytest.raises(RuntimeError, match="non-finite"):
         loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
 
@@ -165,13 +172,13 @@ def _misused_loop(misuse: str, package: str = "lightning") -> tuple["FabricLoop"
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package=package, watch_misuse=True).train(range(1))
     x, y = make_batches(seed=DATA_SEED)[1]
     loop.opts[0].zero_grad()
-    before = [p.detach().clone() for p in loop.model.parameters()]
+    before = _weights(loop)
     if misuse == "unscaled-backward":
         with loop.fabric.autocast():
             loss = torch.nn.functional.mse_loss(loop.model.module(x), y)
         loss.backward()
     else:
-        loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+        loop.fabric.backward(_loss(loop, 1))
     return loop, before
 
 
@@ -190,7 +197,7 @@ def test_loss_backward_instead_of_fabric_backward_raises(action):
         else:
             loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
     assert "fabric.backward(loss)" in str(error.value)
-    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert _unchanged(loop, before)
     assert loop.scaler.get_scale() == scale
 
 
@@ -209,9 +216,9 @@ def test_raw_optimizer_step_on_scaled_gradients_raises():
     loop, before = _misused_loop("raw-step")
     with pytest.raises(RuntimeError, match="was called on the raw optimizer"):
         loop.opts[0].optimizer.step()
-    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert _unchanged(loop, before)
     loop.opts[0].step()  # the wrapper's step is the recipe's
-    assert not all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert not _unchanged(loop, before)
 
 
 def test_teardown_removes_the_watch():
@@ -238,7 +245,7 @@ def test_loss_backward_with_nothing_scaled_raises_by_default(action):
     ``fabric.backward(loss)`` first (stock: torch's bare assertion), changing nothing."""
     loop = FabricLoop(Cell("16-mixed", "SGD-momentum"))
     x, y = make_batches(seed=DATA_SEED)[0]
-    before = [p.detach().clone() for p in loop.model.parameters()]
+    before = _weights(loop)
     with loop.fabric.autocast():
         loss = torch.nn.functional.mse_loss(loop.model.module(x), y)
     loss.backward()
@@ -247,7 +254,7 @@ def test_loss_backward_with_nothing_scaled_raises_by_default(action):
             loop.opts[0].step()
         else:
             loop.fabric.clip_gradients(loop.model, loop.opts[0], max_norm=CLIP_NORM)
-    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before))
+    assert _unchanged(loop, before)
 
 
 def _gradient_stepped(loop: "FabricLoop", step: Callable[[], Any]) -> float:
@@ -290,9 +297,8 @@ def test_user_unscale_through_the_wrapper_is_read_not_moved():
     loop = FabricLoop(Cell("16-mixed", "AdamW", fused=True, clip="norm", unscaler="user-wrapper"))
     loop.train(range(1))
     opt = loop.opts[0]
-    x, y = make_batches(seed=DATA_SEED)[1]
     opt.zero_grad()
-    loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+    loop.fabric.backward(_loss(loop, 1))
     loop.scaler.unscale_(opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     grads = [p.grad.clone() for p in params]
@@ -336,8 +342,7 @@ def test_update_count_and_placement():
             assert update.call_count == i + 1, "the update follows the last optimizer's step"
         run = loop.finish()
         assert update.call_count == N_BATCHES
-        x, y = make_batches(seed=DATA_SEED)[0]
-        loop.fabric.backward(torch.nn.functional.mse_loss(loop.model(x), y))
+        loop.fabric.backward(_loss(loop))
         loop.opts[0].step()  # the second optimizer does not step: the update waits
         assert update.call_count == N_BATCHES
         saved = loop.precision_plugin.state_dict()
@@ -463,12 +468,8 @@ def _resumed_run(cell: Cell, path, scaler_entry: str = "plugin", package: str = 
 @pytest.mark.parametrize("cell", RESUME_CELLS, ids=lambda c: c.id)
 def test_resume_is_exact(cell, tmp_path):
     """``fabric.save(path, {"model": model, "optimizer": opt, "precision": fabric.strategy.precision})`` and
-    ``fabric.load`` into a fresh Fabric continue bitwise like the uninterrupted run.
-
-    As for any state in Fabric, what is not in the dictionary is not saved: the precision plugin must be in it (its
-    ``state_dict`` is the scaler's). The fork applies an iteration's scale update lazily, before the next backward; the
-    plugin's ``state_dict`` applies a pending update first, so the checkpoint holds the scale the next iteration uses.
-    """
+    ``fabric.load`` into a fresh Fabric continue bitwise like the uninterrupted run: the plugin's ``state_dict`` holds
+    the pending update, so the checkpoint holds the scale the next iteration uses."""
     recipe = recipe_run(cell)
     path = tmp_path / "fabric.ckpt"
     resumed = _resumed_run(cell, path)
@@ -524,13 +525,7 @@ def test_checkpoints_load_across_fork_and_stock(tmp_path):
     assert again.scaler.get_scale() == INIT_SCALE
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        "lightning",  # `fabric.save` saves the plugin's state in the scaler's place
-        "stock_lightning_fabric",
-    ],
-)
+@pytest.mark.parametrize("package", ["lightning", "stock_lightning_fabric"])
 def test_resume_with_the_bare_scaler_in_state(package, tmp_path):
     """``{"scaler": scaler}`` instead of the plugin: with stock Fabric that resumes exactly, since it updates after
     every step. With the fork's lazy update it must too (a user may hold the ``GradScaler`` they passed in)."""
@@ -650,7 +645,7 @@ def test_a_closure_passed_to_step_raises_as_torch_does():
         loop = FabricLoop(Cell("16-mixed", "SGD-momentum"), package)
         x, y = make_batches(seed=DATA_SEED)[0]
         opt = loop.opts[0]
-        before = [p.detach().clone() for p in loop.model.parameters()]
+        before = _weights(loop)
 
         def closure():
             opt.zero_grad()
@@ -660,7 +655,7 @@ def test_a_closure_passed_to_step_raises_as_torch_does():
 
         with pytest.raises(RuntimeError, match="(?i)closure"):
             opt.step(closure)
-        assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), before)), package
+        assert _unchanged(loop, before), package
 
 
 def test_an_exception_caught_between_two_steps_loses_no_update():
@@ -752,8 +747,7 @@ def test_a_bare_scaler_in_the_saved_state_holds_the_owed_update(tmp_path):
     waits for the next backward): the saved scaler holds the update, and the live scaler is left alone."""
     cell = Cell("16-mixed", "SGD-momentum", two_optimizers=True, inf_at=(0,))
     loop = FabricLoop(cell)
-    x, y = make_batches(seed=DATA_SEED)[0]
-    loop.fabric.backward(inject_inf(torch.nn.functional.mse_loss(loop.model(x), y), 0, cell.inf_batches))
+    loop.fabric.backward(inject_inf(_loss(loop), 0, cell.inf_batches))
     loop.opts[0].step()
     live = loop.scaler.state_dict()
     loop.save(tmp_path / "fabric.ckpt", scaler_entry="scaler")

@@ -109,18 +109,21 @@ def _scaler(**kwargs) -> GradScaler:
     return cpu_grad_scaler(_Untouched, **{"init_scale": 2.0**10, "growth_interval": 1, **kwargs})
 
 
-def _fit(n: int = 1, momentum: float = 0.0, sparse: tuple = (), seed: int = 0, watched: bool = False) -> tuple:
-    """``n`` networks (those in ``sparse``: an ``nn.Embedding(sparse=True)``) with their SGDs, the twins for torch's
-    side, a recipe that tracks the first side's optimizers (with the misuse watch around it: ``watched``), and torch's
-    scaler for the twins."""
+def _fit(n=1, momentum=0.0, sparse=(), seed=0, watched=False, optim=None, **scaler_kwargs) -> tuple:
+    """``n`` networks (those in ``sparse``: an ``nn.Embedding(sparse=True)``) with their optimizers (``optim``, or SGD),
+    the twins for torch's side, a recipe that tracks the first side's optimizers (``watched``: with the misuse watch
+    armed on them), and torch's scaler for the twins; both scalers take ``scaler_kwargs``."""
     torch.manual_seed(seed)
     nets = [nn.Embedding(10, 2, sparse=True) if i in sparse else nn.Linear(4, 2) for i in range(n)]
     twins = copy.deepcopy(nets)
-    opts, twin_opts = ([torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in ms] for ms in (nets, twins))
-    recipe = (_WatchedRecipe if watched else GradScalerRecipe)(_scaler())
+    optim = optim or functools.partial(torch.optim.SGD, lr=0.1, momentum=momentum)
+    opts, twin_opts = ([optim(m.parameters()) for m in ms] for ms in (nets, twins))
+    recipe = (_WatchedRecipe if watched else GradScalerRecipe)(_scaler(**scaler_kwargs))
     for opt in opts:
         recipe.track(opt)
-    return nets, opts, twins, twin_opts, recipe, _scaler()
+    if watched:
+        recipe.watch_unscaled_backward(opts)
+    return nets, opts, twins, twin_opts, recipe, _scaler(**scaler_kwargs)
 
 
 def _loss(net: nn.Module, inf: bool = False) -> torch.Tensor:
@@ -136,14 +139,29 @@ def _backward(recipe: GradScalerRecipe, loss: torch.Tensor) -> None:
     recipe.after_backward()
 
 
-def _torch_step(scaler: GradScaler, loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+def _torch_step(scaler: GradScaler, loss: torch.Tensor, opt, clip: Optional[nn.Module] = None) -> None:
+    """torch's recipe for one optimizer; ``clip``: unscale and clip that network's gradients to norm 0.01 first."""
     scaler.scale(loss).backward()
+    if clip is not None:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(clip.parameters(), 0.01)
     scaler.step(opt)
     scaler.update()
 
 
-def _same(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+def _step_all(step, opts: list) -> None:
+    for opt in opts:
+        step(opt)
+        opt.zero_grad()
+
+
+def _same(a, b, grads: bool = False) -> bool:
+    """Bitwise the same weights (and gradients: ``grads``) of two networks, or of two lists of them pairwise."""
+    pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
+    return all(
+        all(torch.equal(p, q) for p, q in zip(x.parameters(), y.parameters())) and (not grads or _same_grads(x, y))
+        for x, y in pairs
+    )
 
 
 def _same_grads(a: nn.Module, b: nn.Module) -> bool:
@@ -174,11 +192,7 @@ def test_one_optimizer_updates_right_after_each_step():
         recipe.settle()
         opt.zero_grad()
 
-        scaler.scale(_loss(twin, inf)).backward()
-        scaler.unscale_(twin_opt)
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
-        scaler.step(twin_opt)
-        scaler.update()
+        _torch_step(scaler, _loss(twin, inf), twin_opt, clip=twin)
         twin_opt.zero_grad()
         assert recipe.scaler.get_scale() == scaler.get_scale()
     assert _same(net, twin)
@@ -197,12 +211,10 @@ def test_two_optimizers_fed_by_one_backward_update_once_after_the_last_step():
         for opt in opts:
             opt.zero_grad()
         scaler.scale(_loss(twins[0]) + _loss(twins[1], inf)).backward()
-        for opt in twin_opts:
-            scaler.step(opt)
-            opt.zero_grad()
+        _step_all(scaler.step, twin_opts)
         scaler.update()
         assert recipe.scaler.get_scale() == scaler.get_scale()
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
     assert [recipe.step_was_skipped(opt) for opt in opts] == [False, False]
 
 
@@ -285,7 +297,7 @@ def test_gradients_that_wait_are_carried_into_the_new_scale(b_state):
     twin_opts[1].step()
     # A's gradients, stepped on and not zeroed, are carried by the last update too (a backward since may have reached
     # them; only values could tell): spent gradients, zeroed before A's next backward in any right loop
-    assert all(_same(a, b) for a, b in zip(nets, twins)) and _same_grads(nets[1], twins[1])
+    assert _same(nets, twins) and _same_grads(nets[1], twins[1])
 
 
 @pytest.mark.parametrize("growth_factor", [2.0, 1.5])
@@ -293,10 +305,7 @@ def test_the_carry_is_exact_for_power_of_two_factors_and_rounds_once_otherwise(g
     """B waits across three updates. With the default factors (2, 0.5) every carry is a power of two: bitwise. With
     ``growth_factor=1.5`` each carry (x 1.5) and the final unscale round: what that costs, measured here, is within a
     few float32 ulps of the true gradients (relative error < 1e-6)."""
-    nets, opts, _, _, _, _ = _fit(2)
-    recipe = GradScalerRecipe(_scaler(growth_factor=growth_factor))
-    for opt in opts:
-        recipe.track(opt)
+    nets, opts, _, _, recipe, _ = _fit(2, growth_factor=growth_factor)
     twins, _ = _true_twin(nets, opts)
     _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
     for _ in range(3):
@@ -322,19 +331,15 @@ def test_two_networks_each_clipped_after_its_own_backward_step_after_both():
             _backward(recipe, _loss(net, inf and net is nets[1]))
             recipe.unscale(opt)
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
-        for opt in opts:
-            recipe.step(opt)
-            opt.zero_grad()
+        _step_all(recipe.step, opts)
         for net, opt in zip(twins, twin_opts):
             scaler.scale(_loss(net, inf and net is twins[1])).backward()
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
-        for opt in twin_opts:
-            scaler.step(opt)
-            opt.zero_grad()
+        _step_all(scaler.step, twin_opts)
         scaler.update()
         assert recipe.scaler.get_scale() == scaler.get_scale()
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
 
 
 def test_the_update_is_applied_before_a_backward_when_no_gradients_wait():
@@ -353,7 +358,7 @@ def test_the_update_is_applied_before_a_backward_when_no_gradients_wait():
     twin_opts[0].zero_grad()
     scaler.update()
     _torch_step(scaler, _loss(twins[1]), twin_opts[1])
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
     assert recipe.scaler.state_dict() == scaler.state_dict()
     assert not recipe.step_was_skipped(opts[0])
 
@@ -389,18 +394,14 @@ def test_sparse_gradients_train_like_torchs_recipe():
         _backward(recipe, _loss(nets[0], inf))
         recipe.unscale(opts[0])
         _backward(recipe, _loss(nets[1]))
-        for opt in opts:
-            recipe.step(opt)
-            opt.zero_grad()
+        _step_all(recipe.step, opts)
         scaler.scale(_loss(twins[0], inf)).backward()
         scaler.unscale_(twin_opts[0])
         scaler.scale(_loss(twins[1])).backward()
-        for opt in twin_opts:
-            scaler.step(opt)
-            opt.zero_grad()
+        _step_all(scaler.step, twin_opts)
         scaler.update()
         assert recipe.scaler.get_scale() == scaler.get_scale()
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
     assert recipe.step_was_skipped(opts[0]) is False
 
 
@@ -455,9 +456,8 @@ def test_a_load_consumes_the_owed_update():
 
 
 def test_state_dict_holds_the_owed_update_or_the_steps_own_scale_and_changes_nothing():
-    """By default a save holds the scale the run continues with (Fabric, or a step in ``on_train_epoch_end``); asked,
-    the scale the current steps used (a Trainer's save inside an iteration, which it re-runs). Neither changes the live
-    run."""
+    """By default a save holds the scale the run continues with; asked, the scale the current steps used (a Trainer's
+    save inside an iteration, which it re-runs). Neither changes the live run."""
     nets, opts, _, _, recipe, _ = _fit(2)
     _backward(recipe, _loss(nets[0], inf=True) + _loss(nets[1]))
     recipe.step(opts[0])  # outside any iteration: B's gradients wait, the update is owed
@@ -479,10 +479,7 @@ def test_state_dict_holds_the_owed_update_or_the_steps_own_scale_and_changes_not
 def test_the_owed_update_in_a_state_dict_is_torchs_update(inf):
     """The state a save holds is what ``scaler.update()`` leaves, computed by torch's own kernel (growth, back-off and
     the growth tracker), and asking for it leaves the live run alone (a save between clipping and the step)."""
-    [net], [opt], [twin], [twin_opt], _, _ = _fit()
-    recipe = GradScalerRecipe(_scaler(growth_interval=2))  # the growth tracker counts too
-    recipe.track(opt)
-    scaler = _scaler(growth_interval=2)
+    [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(growth_interval=2)  # the growth tracker counts too
     for i in range(3):
         _backward(recipe, _loss(net, inf and i == 1))
         recipe.unscale(opt)
@@ -568,7 +565,7 @@ def test_gradients_unscaled_in_an_iteration_without_a_step_are_carried_to_its_en
     recipe.step(opt)
     _loss(twins[0]).backward()
     twin_opts[0].step()
-    assert _same(net, twins[0]) and _same_grads(net, twins[0])
+    assert _same(net, twins[0], grads=True)
 
 
 def test_a_second_backward_for_a_stepped_optimizer_while_another_waits():
@@ -591,7 +588,7 @@ def test_a_second_backward_for_a_stepped_optimizer_while_another_waits():
     _loss(twins[0]).backward()
     twin_opts[0].step()
     twin_opts[1].step()
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
 
 
 def test_a_closure_under_the_scaler_raises_as_torch_does():
@@ -711,11 +708,7 @@ def test_the_skip_signal_survives_the_update(fused):
     """torch's ``update()`` sums the inf checks of all optimizers into the first one, in place: an optimizer whose step
     was not skipped must not read as skipped after the update because another one's was. A fused optimizer's answer is
     always its inf check."""
-    nets = _fit(2)[0]
-    opts = [torch.optim.Adam(net.parameters(), lr=0.1, fused=fused) for net in nets]
-    recipe = GradScalerRecipe(_scaler())
-    for opt in opts:
-        recipe.track(opt)
+    nets, opts, _, _, recipe, _ = _fit(2, optim=functools.partial(torch.optim.Adam, lr=0.1, fused=fused))
     _backward(recipe, _loss(nets[0]) + _loss(nets[1], inf=True))
     for opt in opts:
         recipe.step(opt)  # the last one's step is followed by the update
@@ -729,10 +722,7 @@ def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the
     """torch's scaler runs ``optimizer.step()`` only without an inf/NaN, so whether ``step()`` ran tells the skip:
     telling so reads nothing from the device (a step-interval scheduler asks after every step). A fused optimizer, which
     checks inf/NaN in its own kernel, reads its inf check when asked: one read per question."""
-    [net] = _fit()[0]
-    opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=fused)
-    recipe = GradScalerRecipe(_scaler())
-    recipe.track(opt)
+    [net], [opt], _, _, recipe, _ = _fit(optim=functools.partial(torch.optim.Adam, lr=0.1, fused=fused))
     reads = []
     item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
@@ -749,10 +739,7 @@ def test_the_skip_signal_reads_the_device_only_where_torch_did_not_decide_on_the
 def test_the_skip_count_keeps_no_tensor_per_step(fused):
     """The count of skipped steps keeps the inf checks it cannot decide on the host as one running count on the device:
     a long run that nobody asks for its count holds no tensor per step, and asking reads it once."""
-    [net] = _fit()[0]
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused)
-    recipe = GradScalerRecipe(_scaler())
-    recipe.track(opt)
+    [net], [opt], _, _, recipe, _ = _fit(optim=functools.partial(torch.optim.Adam, lr=1e-3, fused=fused))
     for i in range(100):
         opt.zero_grad()
         _backward(recipe, _loss(net, inf=i % 10 == 0))
@@ -769,13 +756,13 @@ def test_watch_holds_what_it_watches_weakly():
     optimizer or parameter that CPython gives the same ``id()`` (an inner-loop optimizer created per step) is watched
     too, not taken for one already watched."""
     recipe = _WatchedRecipe(_scaler())
-    [net], [opt] = _fit(watched=True)[:2]
+    [net], [opt] = _fit()[:2]
     recipe.watch_unscaled_backward([opt])
     assert recipe.watched == 3  # the optimizer, the weight and the bias
     del net, opt
     gc.collect()
     assert recipe.watched == 0
-    [net], [opt] = _fit(watched=True)[:2]
+    [net], [opt] = _fit()[:2]
     recipe.watch_unscaled_backward([opt])
     _loss(net).backward()
     with pytest.raises(RuntimeError, match="a backward without the loss scale accumulated"):
@@ -785,7 +772,6 @@ def test_watch_holds_what_it_watches_weakly():
 
 def test_watch_flags_a_plain_backward_at_the_step_and_before_a_scaled_one():
     [net], [opt], _, _, recipe, _ = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     before = copy.deepcopy(net)
     _loss(net).backward()
     with pytest.raises(RuntimeError, match="without the loss scale"):
@@ -862,9 +848,8 @@ def test_watch_sees_a_backward_without_the_scale_of_another_run_in_another_threa
     parameters, in this thread, is still seen: the count of scaled backwards in flight belongs to a run (two Trainers in
     two threads of a hyper-parameter search). A trains as torch's recipe."""
     [net_a], [opt_a], [twin_a], [twin_opt_a], recipe_a, scaler = _fit(watched=True)
-    [net_b], [opt_b] = _fit(watched=True)[:2]
+    [net_b], [opt_b] = _fit()[:2]
     recipe_b = _WatchedRecipe(_scaler())
-    recipe_a.watch_unscaled_backward([opt_a])
     recipe_b.watch_unscaled_backward([opt_b])
     paused = _PausedScaledBackward(recipe_a, net_a)
     _loss(net_b).backward()  # this thread, during A's scaled backward: B's misuse
@@ -885,7 +870,6 @@ def test_watch_goes_by_the_runs_count_in_every_thread(scaled_on_engine_thread):
     thread. So any hook counts as scaled while the run has a scaled backward in flight: never a false error (a
     concurrent misuse goes unseen, as documented). Emulated with threads that Python's ``threading`` did not start."""
     (net_a, net_b), (opt_a, opt_b), _, _, recipe, _ = _fit(2, watched=True)
-    recipe.watch_unscaled_backward([opt_a, opt_b])
     paused = _PausedScaledBackward(recipe, net_a, engine_thread=scaled_on_engine_thread)
     _in_a_thread(lambda: _loss(net_b).backward(), engine_thread=not scaled_on_engine_thread)
     paused.finish()
@@ -897,7 +881,6 @@ def test_watch_goes_by_the_runs_count_in_every_thread(scaled_on_engine_thread):
 @pytest.mark.parametrize("engine_thread", [False, True], ids=["python-thread", "engine-thread"])
 def test_watch_refuses_a_backward_without_the_scale_in_any_thread_when_none_is_scaled(engine_thread):
     [net], [opt], _, _, recipe, _ = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     _in_a_thread(lambda: _loss(net).backward(), engine_thread=engine_thread)
     with pytest.raises(RuntimeError, match="without the loss scale"):
         recipe.step(opt)
@@ -934,7 +917,6 @@ def test_watch_takes_a_reentrant_checkpoint_for_the_scaled_backward_it_is_part_o
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_watch_forgets_a_plain_backward_whose_gradients_were_cleared(set_to_none):
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     _loss(net).backward()  # e.g. to log gradient norms in fp32
     opt.zero_grad(set_to_none=set_to_none)
     _backward(recipe, _loss(net))
@@ -947,7 +929,6 @@ def test_watch_forgets_a_plain_backward_whose_gradients_were_cleared(set_to_none
 def test_watch_does_not_flag_assigned_gradients():
     """Gradient surgery: ``autograd.grad`` of the scaled loss, assigned to ``.grad``; not an accumulation."""
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     grads = torch.autograd.grad(recipe.scaler.scale(_loss(net)), list(net.parameters()))
     for p, g in zip(net.parameters(), grads):
         p.grad = g
@@ -959,7 +940,6 @@ def test_watch_does_not_flag_assigned_gradients():
 
 def test_watch_refuses_a_raw_step_on_scaled_gradients_and_allows_the_users_scaler_step():
     [net], [opt], [twin], [twin_opt], recipe, scaler = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     _backward(recipe, _loss(net))
     before = copy.deepcopy(net)
     with pytest.raises(RuntimeError, match="raw optimizer"):
@@ -976,7 +956,6 @@ def test_watch_refusing_a_backward_changes_nothing():
     """A scaled backward refused (a plain ``loss.backward()`` left gradients without the scale) leaves the gradients,
     torch's stage and the scale as they were."""
     [net], [opt], _, _, recipe, _ = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     _backward(recipe, _loss(net))
     recipe.step(opt)
     _loss(net).backward()  # the misuse: a backward without the scale
@@ -993,7 +972,6 @@ def test_the_watch_ends_after_its_first_updates_and_end_fit_removes_it():
     """The watch looks at the first updates only: then its hooks are gone and it costs nothing per step; arming it
     again (the next fit, the next ``fabric.setup``) opens a new window; the end of the fit removes it."""
     [net], [opt], _, _, recipe, _ = _fit(watched=True)
-    recipe.watch_unscaled_backward([opt])
     watched = recipe.watched
     assert watched == 1 + len(list(net.parameters()))
     for i in range(WATCHED_UPDATES):
@@ -1021,11 +999,9 @@ def test_the_watch_ends_after_its_first_updates_and_end_fit_removes_it():
 
 
 def test_a_clip_after_another_networks_backward_unscales_again():
-    """Pins the rule "a clip or unscale after an optimizer's step changes nothing while no scaled backward ran since":
-    any scaled backward ends that, since only values could tell whether it reached A (the recipe reads none, and marks
-    of every parameter at every step would cost per-parameter work on every step). A's gradients after its step are
-    spent: a clip of them after another backward unscales them (x 1/scale), as Fabric's stock ``clip_gradients``
-    does; zero them before."""
+    """"A clip after an optimizer's step changes nothing while no scaled backward ran since": any scaled backward ends
+    that, since only values could tell whether it reached A (the recipe reads none), so a clip of A's spent gradients
+    after another backward unscales them (x 1/scale), as Fabric's stock ``clip_gradients`` does."""
     nets, opts, _, _, recipe, _ = _fit(2)
     _backward(recipe, _loss(nets[0]) + _loss(nets[1]))
     recipe.step(opts[0])
@@ -1055,7 +1031,7 @@ def test_accumulation_across_iteration_ends_is_carried():
     recipe.step(opts[1])
     twin_opts[1].step()
     assert recipe.updates == 2
-    assert all(_same(a, b) and _same_grads(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins, grads=True)
 
 
 def test_a_second_step_on_the_gradients_of_the_first_after_the_update():
@@ -1096,13 +1072,12 @@ def test_gradients_clipped_across_two_updates_are_unscaled_once():
     recipe.step(opts[0])
     (_loss(twins[0]) + _loss(twins[1])).backward()
     twin_opts[0].step()
-    assert _same(nets[0], twins[0]) and _same_grads(nets[0], twins[0])
+    assert _same(nets[0], twins[0], grads=True)
 
 
 def test_gradients_unscaled_before_the_update_and_clipped_again_are_not_unscaled_again():
     """Clipped in one iteration, not stepped, clipped again after the update: the update carried them into the new
-    scale (``READY``), so the second clip unscales them once more, to the true ones (the earlier recipe could only
-    guess here, and this was its known limitation)."""
+    scale (``READY``), so the second clip unscales them once more, to the true ones."""
     [net], [opt], _, _, recipe, _ = _fit()
     twins, _ = _true_twin([net], [opt])
     _backward(recipe, _loss(net))
@@ -1160,7 +1135,7 @@ def test_an_optimizer_stepped_without_gradients_is_not_counted_when_a_backward_r
     scaler.step(twin_opts[0])
     scaler.step(twin_opts[1])
     scaler.update()
-    assert all(_same(a, b) for a, b in zip(nets, twins))
+    assert _same(nets, twins)
     assert recipe.scaler.state_dict() == scaler.state_dict()
 
 
@@ -1238,11 +1213,8 @@ class _Reference:
     def __init__(self, rng: random.Random, seed: int, growth_factor: float = 2.0) -> None:
         self.n = rng.randint(1, 3)
         self.sparse = (rng.randrange(self.n),) if rng.random() < 0.3 else ()
-        self.nets, self.opts, self.twins, self.twin_opts, _, _ = _fit(self.n, 0.9, self.sparse, seed)
-        self.recipe = GradScalerRecipe(_scaler(growth_factor=growth_factor))
-        for opt in self.opts:
-            self.recipe.track(opt)
-        self.scaler = _scaler(growth_factor=growth_factor)
+        fit = _fit(self.n, 0.9, self.sparse, seed, growth_factor=growth_factor)
+        self.nets, self.opts, self.twins, self.twin_opts, self.recipe, self.scaler = fit
         self.owed = False
         self.stepped: set = set()
         self.backwards = 0
@@ -1367,13 +1339,10 @@ class _Reference:
 @pytest.mark.parametrize("growth_factor", [2.0, 1.5])
 @pytest.mark.parametrize("seed", range(75))
 def test_random_event_sequences_follow_torchs_scaler(seed, growth_factor):
-    """A seeded generator of event sequences over 1-3 tracked optimizers (one may hold sparse gradients):
-    ``zero_grad`` either way, scaled backwards reaching random subsets, injected infs (back-offs), clipping (also after
-    the step), steps, an inner loop stepping one optimizer n times (a critic), saves, loads, iteration ends, and
-    ``growth_interval=1`` (a growth at every other update). After every event the recipe's side holds what torch's
-    scaler driven by hand by the rule holds, the carry of waiting ``READY`` and ``UNSCALED`` gradients included, also
-    with ``growth_factor=1.5``, where the carry rounds (the same rounding on both sides: what it costs against the true
-    gradients is ``test_the_carry_is_exact_for_power_of_two_factors_and_rounds_once_otherwise``)."""
+    """Seeded event sequences (``zero_grad`` either way, scaled backwards reaching random subsets, injected infs,
+    clipping, steps, an inner critic loop, saves, loads, iteration ends): after every event the recipe's side holds what
+    torch's scaler driven by hand by the rule holds, the carry included, also with ``growth_factor=1.5``, where the
+    carry rounds the same on both sides."""
     rng = random.Random(seed)
     ref = _Reference(rng, seed, growth_factor)
     for iteration in range(6):
