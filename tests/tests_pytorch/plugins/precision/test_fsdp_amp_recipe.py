@@ -22,11 +22,12 @@ from amp_oracle.torch_features import (
     requires_cpu_fused,
     requires_cpu_sharded_grad_scaler,
 )
+from amp_oracle.trainer import FORK, lightning_api, make_trainer
 from amp_oracle.world import CLIP_VALUE, INF_BATCH, INIT_SCALE, N_BATCHES, inject_inf, new_scaler
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import FSDPPrecision
 
 
@@ -132,31 +133,26 @@ class RecordScale(Callback):
 def _fit(model: LightningModule, *callbacks: Callback, logger: Any = False) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
-        trainer = Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            plugins=[FSDPPrecision("16-mixed", scaler=_scaler())],
-            callbacks=list(callbacks),
-            logger=logger,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(model)
+        plugin = FSDPPrecision("16-mixed", scaler=_scaler())
+        make_trainer(lightning_api(FORK), "16-mixed", plugin=plugin, callbacks=callbacks, logger=logger).fit(model)
 
 
-@requires_cpu_16_mixed
-@requires_cpu_sharded_grad_scaler
-def test_fsdp_precision_follows_the_recipe():
+def _assert_follows_the_recipe(fused: bool, scaler: Optional[GradScaler] = None) -> None:
     record = RecordScale()
-    model = TwoOptimizersOneBackward(fused=False)
+    model = TwoOptimizersOneBackward(fused=fused)
     _fit(model, record)
-    expected_params, expected_scales = _recipe(fused=False)
+    expected_params, expected_scales = _recipe(fused=fused, scaler=scaler)
     # one update per batch although two optimizers step: the inf batch halves the scale once
     assert record.scales == expected_scales
     assert expected_scales[INF_BATCH] == expected_scales[INF_BATCH - 1] / 2
     for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
         assert torch.equal(actual, expected)
+
+
+@requires_cpu_16_mixed
+@requires_cpu_sharded_grad_scaler
+def test_fsdp_precision_follows_the_recipe():
+    _assert_follows_the_recipe(fused=False)
 
 
 def _plain_scaler() -> GradScaler:
@@ -172,14 +168,7 @@ def test_fused_optimizer_with_sharded_scaler_follows_the_recipe():
     the step); the plugin reads them as 0-dim and trains exactly like the recipe with fused optimizers."""
     with pytest.raises(RuntimeError, match="shape"):
         _recipe(fused=True)
-    record = RecordScale()
-    model = TwoOptimizersOneBackward(fused=True)
-    _fit(model, record)
-    expected_params, expected_scales = _recipe(fused=True, scaler=_plain_scaler())
-    assert record.scales == expected_scales
-    assert expected_scales[INF_BATCH] == expected_scales[INF_BATCH - 1] / 2
-    for actual, expected in zip([p.detach() for p in model.parameters()], expected_params):
-        assert torch.equal(actual, expected)
+    _assert_follows_the_recipe(fused=True, scaler=_plain_scaler())
 
 
 @requires_cpu_sharded_grad_scaler
@@ -243,18 +232,8 @@ def test_fsdp_strategy_manual_clip_on_cuda():
         def train_dataloader(self):
             return _loader()
 
-    trainer = Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy="fsdp",
-        precision="16-mixed",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Clip())
+    api = lightning_api(FORK)
+    make_trainer(api, "16-mixed", scaler="lightning", device="cuda", strategy="fsdp", max_steps=2).fit(Clip())
     assert all(g < 100 for g in seen)  # scaled gradients would be ~65536 times larger
 
 
