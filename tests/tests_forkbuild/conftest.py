@@ -6,6 +6,8 @@ where a test needs to look inside the backend itself.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shutil
 import subprocess
@@ -63,9 +65,11 @@ def pip_wheel(
     env: Mapping[str, str],
     config_settings: Optional[Mapping[str, str]] = None,
     extra: tuple[str, ...] = (),
+    pip: tuple[str, ...] = ("-m", "pip"),
 ) -> subprocess.CompletedProcess:
-    """``python -m pip wheel SOURCE --no-deps -w OUT``; returns the finished process (stdout and stderr joined)."""
-    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-cache-dir", "-w", str(out)]
+    """``python -m pip wheel SOURCE --no-deps -w OUT`` (``pip``: another pip, as ``(path,)``); returns the finished
+    process (stdout and stderr joined)."""
+    command = [sys.executable, *pip, "wheel", str(source), "--no-deps", "--no-cache-dir", "-w", str(out)]
     for key, value in (config_settings or {}).items():
         command += ["--config-settings", f"{key}={value}"]
     command += list(extra)
@@ -75,41 +79,73 @@ def pip_wheel(
     )
 
 
-def only_wheel(out: Path, pin: Pin) -> Path:
-    """The one file a successful build leaves: the fork's wheel (``lightning`` or ``pytorch-lightning``, as ``pin``
-    says), under its canonical name."""
+def offline_build(source: str | Path, out: Path, upstream_path: Path, **kwargs) -> subprocess.CompletedProcess:
+    """:func:`pip_wheel` offline, ``$LIGHTNING_FORK_UPSTREAM_WHEEL`` set to ``upstream_path``."""
+    return pip_wheel(source, out, offline_env(**{upstream.ENV_VAR: str(upstream_path)}), **kwargs)
+
+
+def only_wheel(out: Path, pin: Pin, done: Optional[subprocess.CompletedProcess] = None) -> Path:
+    """The one file a successful build (``done``, when given) leaves: the fork's wheel (``lightning`` or
+    ``pytorch-lightning``, as ``pin`` says), under its canonical name."""
+    if done is not None:
+        assert done.returncode == 0, done.stdout
     found = sorted(p.name for p in out.iterdir())
     assert found == [assemble.wheel_name(pin)], found
     return out / found[0]
 
 
-def copy_build_inputs(dest: Path) -> Path:
+def same_wheel(wheel: Path, out: Path, pin: Pin, done: subprocess.CompletedProcess) -> None:
+    """The build ``done`` succeeded and left the bytes of ``wheel`` (a session fixture's wheel of the same inputs)."""
+    assert only_wheel(out, pin, done).read_bytes() == wheel.read_bytes()
+
+
+def refused(done: subprocess.CompletedProcess, out: Path, *messages: str) -> None:
+    """The build failed, saying each of ``messages``, and left nothing in ``out``."""
+    assert done.returncode != 0
+    for message in messages:
+        assert message in done.stdout, done.stdout
+    assert not list(out.iterdir()), f"a failed build left {sorted(p.name for p in out.iterdir())} behind"
+
+
+def commit_all(repo: Path) -> str:
+    """``git init``, add and commit everything in ``repo``; returns the commit."""
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def record_hash(data: bytes) -> str:
+    """A RECORD row's hash of ``data`` (PEP 376), computed here, not by forkbuild."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def git_apply_series(files: dict[str, bytes], patches: list[tuple[str, bytes]], tmp: Path) -> dict[str, bytes]:
+    """``files`` laid out under ``tmp/tree/src``, then each patch (name, text) applied there by ``git apply``, in order:
+    the tree's files, rebuilt without forkbuild's applier."""
+    src = tmp / "tree" / "src"
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    for name, text in patches:
+        (tmp / name).write_bytes(text)
+        done = subprocess.run(["git", "apply", "--verbose", str(tmp / name)], cwd=src.parent, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, f"git apply {name}:\n{done.stderr}"
+    return {path.relative_to(src).as_posix(): path.read_bytes() for path in src.rglob("*") if path.is_file()}
+
+
+def copy_build_inputs(dest: Path, source: Path = REPO) -> Path:
     """A copy of what the build reads (the sdist's members), so a test may break it without touching the repo."""
     dest.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.pyo")
     for name in assemble.SDIST_MEMBERS:
-        path = REPO / name
+        path = source / name
         if path.is_dir():
             shutil.copytree(path, dest / name, ignore=ignore)
         elif path.is_file():
             shutil.copy2(path, dest / name)
     return dest
-
-
-@pytest.fixture(scope="session")
-def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The newest pip the configured index offers, as a wheel file (pip runs from its own wheel: ``python
-    pip.whl/pip``), beside the 23.2.1 that ``python -m venv`` puts into the environment."""
-    folder = tmp_path_factory.mktemp("newest-pip")
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "pip", "--no-deps", "--only-binary=:all:", "-d",
-                           str(folder)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return next(folder.glob("pip-*.whl"))
-
-
-@pytest.fixture(scope="session")
-def pin() -> Pin:
-    return read_pin()
 
 
 def _download(requirement: str, folder: Path) -> None:
@@ -118,6 +154,20 @@ def _download(requirement: str, folder: Path) -> None:
         env=base_env(), capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, f"pip download {requirement} failed:\n{done.stderr}"
+
+
+@pytest.fixture(scope="session")
+def newest_pip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The newest pip the configured index offers, as a wheel file (pip runs from its own wheel: ``python
+    pip.whl/pip``), beside the 23.2.1 that ``python -m venv`` puts into the environment."""
+    folder = tmp_path_factory.mktemp("newest-pip")
+    _download("pip", folder)
+    return next(folder.glob("pip-*.whl"))
+
+
+@pytest.fixture(scope="session")
+def pin() -> Pin:
+    return read_pin()
 
 
 @pytest.fixture(scope="session")
@@ -173,9 +223,7 @@ def standalone_wheel(
     """The fork's ``pytorch-lightning`` wheel, built by pip from packaging/pytorch-lightning of the build inputs,
     offline (the setting names the lightning wheel: the build takes the pytorch_lightning wheel beside it)."""
     out = tmp_path_factory.mktemp("standalone-wheel")
-    done = pip_wheel(repo_snapshot / STANDALONE_RECIPE, out, offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    return only_wheel(out, standalone_pin)
+    return only_wheel(out, standalone_pin, offline_build(repo_snapshot / STANDALONE_RECIPE, out, upstream_wheel))
 
 
 @pytest.fixture(scope="session")
@@ -216,11 +264,9 @@ def repo_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def fork_wheel(pin: Pin, upstream_wheel: Path, repo_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fork's wheel, built by pip from this repository's build inputs (``repo_snapshot``), offline, from the
-    local upstream wheel."""
+    local upstream wheel: what every other route to a wheel of those inputs must reproduce byte for byte."""
     out = tmp_path_factory.mktemp("fork-wheel")
-    done = pip_wheel(repo_snapshot, out, offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    return only_wheel(out, pin)
+    return only_wheel(out, pin, offline_build(repo_snapshot, out, upstream_wheel))
 
 
 @pytest.fixture(scope="session")
@@ -229,21 +275,16 @@ def fork_files(fork_wheel: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def repo_copy(tmp_path: Path) -> Path:
-    return copy_build_inputs(tmp_path / "repo")
+def repo_copy(repo_snapshot: Path, tmp_path: Path) -> Path:
+    """A copy of ``repo_snapshot``: its wheels are ``fork_wheel`` and ``standalone_wheel``, whatever the working tree
+    became since."""
+    return copy_build_inputs(tmp_path / "repo", source=repo_snapshot)
 
 
 @pytest.fixture(scope="session")
 def helpers() -> SimpleNamespace:
     """The helpers above, for test modules (a conftest is not importable under ``--import-mode=importlib``)."""
-    return SimpleNamespace(
-        REPO=REPO,
-        base_env=base_env,
-        offline_env=offline_env,
-        pip_wheel=pip_wheel,
-        only_wheel=only_wheel,
-        copy_build_inputs=copy_build_inputs,
-        wheel_files=wheel_files,
-        build_stock=build_stock,
-        STANDALONE_RECIPE=STANDALONE_RECIPE,
-    )
+    names = ("REPO", "STANDALONE_RECIPE", "base_env", "offline_env", "pip_wheel", "offline_build", "only_wheel",
+             "same_wheel", "refused", "commit_all", "record_hash", "git_apply_series", "copy_build_inputs",
+             "wheel_files", "build_stock")
+    return SimpleNamespace(**{name: globals()[name] for name in names})

@@ -3,10 +3,8 @@ and the build's refusals (a wrong hash, a patch that does not apply, a module th
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -24,69 +22,40 @@ from forkbuild.pin import Pin
 BUILD_SECONDS = 30
 
 
-def _wheel_names(path: Path) -> set[str]:
-    with zipfile.ZipFile(path) as z:
-        return set(z.namelist())
-
-
-def _assert_nothing_built(out: Path) -> None:
-    assert not list(out.iterdir()), f"a failed build left {sorted(p.name for p in out.iterdir())} behind"
-
-
-@pytest.fixture
-def reference(helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, tmp_path: Path) -> bytes:
-    """The wheel built offline (env var) from ``repo_copy``: what every other route to a wheel must reproduce byte for
-    byte. (A copy, so that edits to the working tree during the run cannot make two builds differ.)"""
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
-    done = helpers.pip_wheel(repo_copy, tmp_path / "reference", env)
-    assert done.returncode == 0, done.stdout
-    return helpers.only_wheel(tmp_path / "reference", pin).read_bytes()
-
-
 # --- offline builds ---------------------------------------------------------------------------------------------------
 
 
 def test_offline_build_from_env_var(helpers, pin: Pin, upstream_wheel: Path, tmp_path: Path) -> None:
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
     start = time.monotonic()
-    done = helpers.pip_wheel(helpers.REPO, tmp_path / "out", env)
+    done = helpers.offline_build(helpers.REPO, tmp_path / "out", upstream_wheel)
     elapsed = time.monotonic() - start
-    assert done.returncode == 0, done.stdout
-    wheel = helpers.only_wheel(tmp_path / "out", pin)
-    assert f"{pin.name}-{pin.fork_version}.dist-info/RECORD" in _wheel_names(wheel)
+    with zipfile.ZipFile(helpers.only_wheel(tmp_path / "out", pin, done)) as z:
+        assert f"{pin.name}-{pin.fork_version}.dist-info/RECORD" in z.namelist()
     assert elapsed < BUILD_SECONDS, f"building the wheel took {elapsed:.1f}s"
 
 
 @pytest.mark.parametrize("given", ["file", "folder"])
 def test_offline_build_from_config_setting_is_identical(
-    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path, given: str
+    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, fork_wheel: Path, tmp_path: Path, given: str
 ) -> None:
     """``--config-settings upstream-wheel=PATH`` (the wheel or its folder) works as the env var does, and the build
     is reproducible: the same bytes every time."""
     env = helpers.offline_env()
     assert upstream.ENV_VAR not in env
-    source = upstream_wheel if given == "file" else upstream_wheel.parent
-    settings = {upstream.CONFIG_SETTING: str(source)}
+    settings = {upstream.CONFIG_SETTING: str(upstream_wheel if given == "file" else upstream_wheel.parent)}
     done = helpers.pip_wheel(repo_copy, tmp_path / "out", env, config_settings=settings)
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+    helpers.same_wheel(fork_wheel, tmp_path / "out", pin, done)
 
 
 def test_offline_build_without_a_local_wheel_fails_clearly(helpers, pin: Pin, tmp_path: Path) -> None:
     """Control for the offline tests: with no local wheel and no index the build cannot succeed, and says why."""
     done = helpers.pip_wheel(helpers.REPO, tmp_path / "out", helpers.offline_env(), extra=("--no-build-isolation",))
-    assert done.returncode != 0
-    assert f"pip download {pin.requirement}" in done.stdout
-    assert upstream.ENV_VAR in done.stdout
-    _assert_nothing_built(tmp_path / "out")
+    helpers.refused(done, tmp_path / "out", f"pip download {pin.requirement}", upstream.ENV_VAR)
 
 
 def test_missing_local_wheel_is_named(helpers, tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "lightning.whl"
-    done = helpers.pip_wheel(helpers.REPO, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(missing)}))
-    assert done.returncode != 0
-    assert str(missing) in done.stdout
-    _assert_nothing_built(tmp_path / "out")
+    helpers.refused(helpers.offline_build(helpers.REPO, tmp_path / "out", missing), tmp_path / "out", str(missing))
 
 
 # --- builds from an index, from git, from the sdist -------------------------------------------------------------------
@@ -103,7 +72,7 @@ def _simple_index(root: Path, wheel: Path) -> str:
 
 @pytest.mark.parametrize("variable", ["PIP_INDEX_URL", "UV_INDEX_URL"])
 def test_build_downloads_from_the_configured_index(
-    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path, variable: str
+    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, fork_wheel: Path, tmp_path: Path, variable: str
 ) -> None:
     """No local wheel: the build asks pip, which must use the user's index (and uv's setting when pip has none)."""
     url = _simple_index(tmp_path / "index", upstream_wheel)
@@ -111,62 +80,49 @@ def test_build_downloads_from_the_configured_index(
     env = helpers.base_env(PIP_CONFIG_FILE=os.devnull, **{**unset, variable: url})
     # without build isolation: the tiny index holds no pip for the isolated build environment to install
     done = helpers.pip_wheel(repo_copy, tmp_path / "out", env, extra=("--no-build-isolation",))
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+    helpers.same_wheel(fork_wheel, tmp_path / "out", pin, done)
 
 
 def test_build_with_isolation_downloads_through_pip_config(
-    helpers, pin: Pin, repo_copy: Path, reference: bytes, tmp_path: Path
+    helpers, pin: Pin, repo_copy: Path, fork_wheel: Path, tmp_path: Path
 ) -> None:
     """What ``pip install git+...`` does where pip is configured: an isolated build, upstream from the index."""
     done = helpers.pip_wheel(repo_copy, tmp_path / "out", helpers.base_env())
     if done.returncode != 0 and ("No matching distribution" in done.stdout or "Could not find" in done.stdout):
         pytest.skip("the configured package index is not reachable from here")
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+    helpers.same_wheel(fork_wheel, tmp_path / "out", pin, done)
 
 
-def _commit(repo: Path) -> str:
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
-    return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _companion_line(metadata: str) -> str:
-    (line,) = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist: pytorch-lightning")]
-    return line
-
-
-def _metadata_but_the_companion(metadata: str) -> list[str]:
-    return [ln for ln in metadata.splitlines() if not ln.startswith("Requires-Dist: pytorch-lightning")]
+def _assert_the_companion_is_the_git_commit(ours: str, theirs: str, pin: Pin, repo: Path, commit: str) -> None:
+    """METADATA ``ours``, built from a git URL, is ``theirs`` (the offline build's) but for lightning's requirement on
+    its companion, which names the same URL and commit."""
+    companion = "Requires-Dist: pytorch-lightning"
+    assert [ln for ln in ours.splitlines() if not ln.startswith(companion)] == [
+        ln for ln in theirs.splitlines() if not ln.startswith(companion)]
+    (line,) = [ln for ln in theirs.splitlines() if ln.startswith(companion)]
+    assert line == f"{companion}=={pin.fork_version}"
+    (line,) = [ln for ln in ours.splitlines() if ln.startswith(companion)]
+    url = f"git+file://localhost{repo.as_posix()}@{commit}"
+    assert line == f"{companion} @ {url}#subdirectory=packaging/pytorch-lightning"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_build_from_a_git_url(
-    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path
+    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, fork_files: dict[str, bytes], tmp_path: Path
 ) -> None:
     """``pip install git+<repo>`` sees only committed files: the committed build inputs must be enough. Built in
     pip's clone, the wheel is the reference but for lightning's requirement on its companion, which names the same
     URL and commit (forkbuild/companion.py; ``file://localhost/``, which pip < 24 accepts in a requirement)."""
-    commit = _commit(repo_copy)
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
-    done = helpers.pip_wheel(f"git+{repo_copy.as_uri()}", tmp_path / "out", env)
-    assert done.returncode == 0, done.stdout
-    built = helpers.wheel_files(helpers.only_wheel(tmp_path / "out", pin))
-    (tmp_path / "reference.whl").write_bytes(reference)
-    expected = helpers.wheel_files(tmp_path / "reference.whl")
+    commit = helpers.commit_all(repo_copy)
+    done = helpers.offline_build(f"git+{repo_copy.as_uri()}", tmp_path / "out", upstream_wheel)
+    built = helpers.wheel_files(helpers.only_wheel(tmp_path / "out", pin, done))
     dist_info = f"{pin.name}-{pin.fork_version}.dist-info"
-    assert built.keys() == expected.keys()
-    package = [k for k in expected if not k.startswith(dist_info + "/")]
-    assert [built[k] for k in package] == [expected[k] for k in package]
-    ours, theirs = (files[f"{dist_info}/METADATA"].decode() for files in (built, expected))
-    assert _metadata_but_the_companion(ours) == _metadata_but_the_companion(theirs)
-    assert _companion_line(theirs) == f"Requires-Dist: pytorch-lightning=={pin.fork_version}"
-    assert _companion_line(ours) == (
-        f"Requires-Dist: pytorch-lightning @ git+file://localhost{repo_copy.as_posix()}@{commit}"
-        "#subdirectory=packaging/pytorch-lightning"
-    )
+    assert built.keys() == fork_files.keys()
+    package = [k for k in fork_files if not k.startswith(dist_info + "/")]
+    assert [built[k] for k in package] == [fork_files[k] for k in package]
+    metadata = f"{dist_info}/METADATA"
+    _assert_the_companion_is_the_git_commit(built[metadata].decode(), fork_files[metadata].decode(), pin, repo_copy,
+                                            commit)
 
 
 def _uv() -> Optional[str]:
@@ -177,11 +133,11 @@ def _uv() -> Optional[str]:
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 @pytest.mark.skipif(_uv() is None, reason="uv is not installed (requirements/test.txt installs it)")
 def test_uv_pip_install_from_a_git_url(
-    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, reference: bytes, tmp_path: Path
+    helpers, pin: Pin, upstream_wheel: Path, repo_copy: Path, fork_files: dict[str, bytes], tmp_path: Path
 ) -> None:
     """``uv pip install git+<repo>`` builds through the same backend and installs the same files as the wheel."""
     repo = repo_copy
-    commit = _commit(repo)
+    commit = helpers.commit_all(repo)
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel), "UV_CACHE_DIR": str(tmp_path / "uv-cache")})
     venv = tmp_path / "venv"
     subprocess.run([_uv(), "venv", "-q", str(venv)], check=True, env=env, capture_output=True)
@@ -192,12 +148,10 @@ def test_uv_pip_install_from_a_git_url(
     )
     assert done.returncode == 0, done.stderr
     dist_info = f"{pin.name}-{pin.fork_version}.dist-info"
-    with zipfile.ZipFile(io.BytesIO(reference)) as z:
-        expected = {row.split(",")[0]: row.split(",")[1] for row in z.read(f"{dist_info}/RECORD").decode().splitlines()}
     site = next(venv.glob("lib/python*/site-packages"))
-    installed = {
-        row.split(",")[0]: row.split(",")[1] for row in (site / dist_info / "RECORD").read_text().splitlines()
-    }
+    expected, installed = ({row.split(",")[0]: row.split(",")[1] for row in text.splitlines()}
+                           for text in (fork_files[f"{dist_info}/RECORD"].decode(),
+                                        (site / dist_info / "RECORD").read_text()))
     # uv adds its own INSTALLER (and REQUESTED) files; everything from the wheel is installed unchanged, but for the
     # metadata's requirement on the companion: the URL given to uv (which its clone's FETCH_HEAD records), not uv's
     # clone in its cache (tests/tests_forkbuild/test_pinned_git_url.py: the lock that follows works anywhere)
@@ -205,19 +159,12 @@ def test_uv_pip_install_from_a_git_url(
     assert {k: v for k, v in installed.items() if k in expected and k != metadata} == {
         k: v for k, v in expected.items() if k != metadata
     }
-    with zipfile.ZipFile(io.BytesIO(reference)) as z:
-        theirs = z.read(metadata).decode()
-    ours = (site / metadata).read_text()
-    assert _metadata_but_the_companion(ours) == _metadata_but_the_companion(theirs)
-    companion = _companion_line(ours)
-    assert companion == (
-        f"Requires-Dist: pytorch-lightning @ git+file://localhost{repo.as_posix()}@{commit}"
-        "#subdirectory=packaging/pytorch-lightning"
-    )
+    _assert_the_companion_is_the_git_commit((site / metadata).read_text(), fork_files[metadata].decode(), pin, repo,
+                                            commit)
 
 
 def test_sdist_holds_the_recipe_and_builds_the_same_wheel(
-    helpers, pin: Pin, upstream_wheel: Path, upstream_files: dict[str, bytes], repo_copy: Path, reference: bytes,
+    helpers, pin: Pin, upstream_wheel: Path, upstream_files: dict[str, bytes], repo_copy: Path, fork_wheel: Path,
     tmp_path: Path,
 ) -> None:
     code = "import sys; from forkbuild import backend; print(backend.build_sdist(sys.argv[1]))"
@@ -232,9 +179,8 @@ def test_sdist_holds_the_recipe_and_builds_the_same_wheel(
     # the recipe only: upstream's files never travel in the sdist (our own modules do, under src/)
     assert not [n for n in names if n.startswith("lightning/")]
     assert not {n[len("src/") :] for n in names if n.startswith("src/")} & set(upstream_files)
-    done = helpers.pip_wheel(sdist, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", pin).read_bytes() == reference
+    helpers.same_wheel(fork_wheel, tmp_path / "out", pin, helpers.offline_build(sdist, tmp_path / "out",
+                                                                                upstream_wheel))
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------------
@@ -249,12 +195,9 @@ def test_wheel_with_one_byte_changed_is_refused(helpers, pin: Pin, upstream_whee
     actual = upstream.sha256_of(tampered)
     assert actual != pin.sha256
 
-    done = helpers.pip_wheel(helpers.REPO, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(tampered)}))
-    assert done.returncode != 0
-    assert "upstream.toml" in done.stdout
-    assert f"expected sha256 {pin.sha256}" in done.stdout
-    assert f"actual sha256   {actual}" in done.stdout
-    _assert_nothing_built(tmp_path / "out")
+    done = helpers.offline_build(helpers.REPO, tmp_path / "out", tampered)
+    helpers.refused(done, tmp_path / "out", "upstream.toml", f"expected sha256 {pin.sha256}",
+                    f"actual sha256   {actual}")
 
 
 def _add_patch(repo: Path, name: str, text: str) -> None:
@@ -264,46 +207,33 @@ def _add_patch(repo: Path, name: str, text: str) -> None:
     series.write_text(before + ("" if before.endswith("\n") or not before else "\n") + name + "\n")
 
 
-def test_broken_patch_is_refused_naming_patch_and_file(
-    helpers, upstream_wheel: Path, upstream_files: dict[str, bytes], tmp_path: Path
-) -> None:
-    repo = helpers.copy_build_inputs(tmp_path / "repo")
-    target = "lightning/__version__.py"
-    assert target in upstream_files
-    _add_patch(
-        repo,
-        "9999-context-that-upstream-never-had.patch",
-        "A patch written against a file that does not look like this.\n\n"
-        f"--- a/src/{target}\n+++ b/src/{target}\n"
-        "@@ -1,3 +1,4 @@\n first line this file never had\n+an added line\n second such line\n third such line\n",
-    )
-    done = helpers.pip_wheel(repo, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode != 0
-    assert (
-        "patch 9999-context-that-upstream-never-had.patch does not apply to src/lightning/__version__.py" in done.stdout
-    )
-    _assert_nothing_built(tmp_path / "out")
-
-
-def test_patch_for_a_file_upstream_lacks_is_refused(helpers, upstream_wheel: Path, tmp_path: Path) -> None:
-    repo = helpers.copy_build_inputs(tmp_path / "repo")
-    ghost = "--- a/src/lightning/ghost.py\n+++ b/src/lightning/ghost.py\n@@ -1 +1 @@\n-a\n+b\n"
-    _add_patch(repo, "9998-ghost.patch", ghost)
-    done = helpers.pip_wheel(repo, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode != 0
-    assert "9998-ghost.patch" in done.stdout and "src/lightning/ghost.py" in done.stdout
-    _assert_nothing_built(tmp_path / "out")
-
-
-def test_module_that_would_overwrite_upstream_is_refused(helpers, upstream_wheel: Path, tmp_path: Path) -> None:
-    repo = helpers.copy_build_inputs(tmp_path / "repo")
+def _clash(repo: Path) -> None:
     clash = repo / "src" / "lightning" / "__version__.py"
     clash.parent.mkdir(parents=True, exist_ok=True)
     clash.write_text("version = 'mine'\n")
-    done = helpers.pip_wheel(repo, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode != 0
-    assert "src/ would overwrite upstream files" in done.stdout and "lightning/__version__.py" in done.stdout
-    _assert_nothing_built(tmp_path / "out")
+
+
+@pytest.mark.parametrize(("breaks", "messages"), [
+    pytest.param(lambda repo: _add_patch(
+        repo, "9999-context-that-upstream-never-had.patch",
+        "A patch written against a file that does not look like this.\n\n"
+        "--- a/src/lightning/__version__.py\n+++ b/src/lightning/__version__.py\n"
+        "@@ -1,3 +1,4 @@\n first line this file never had\n+an added line\n second such line\n third such line\n",
+    ), ["patch 9999-context-that-upstream-never-had.patch does not apply to src/lightning/__version__.py"],
+        id="broken-patch-naming-patch-and-file"),
+    pytest.param(lambda repo: _add_patch(
+        repo, "9998-ghost.patch", "--- a/src/lightning/ghost.py\n+++ b/src/lightning/ghost.py\n@@ -1 +1 @@\n-a\n+b\n"
+    ), ["9998-ghost.patch", "src/lightning/ghost.py"], id="patch-for-a-file-upstream-lacks"),
+    pytest.param(_clash, ["src/ would overwrite upstream files", "lightning/__version__.py"],
+                 id="module-that-would-overwrite-upstream"),
+])
+def test_broken_inputs_are_refused(
+    helpers, upstream_wheel: Path, upstream_files: dict[str, bytes], tmp_path: Path, breaks, messages: list[str]
+) -> None:
+    assert "lightning/__version__.py" in upstream_files
+    repo = helpers.copy_build_inputs(tmp_path / "repo")
+    breaks(repo)
+    helpers.refused(helpers.offline_build(repo, tmp_path / "out", upstream_wheel), tmp_path / "out", *messages)
 
 
 @pytest.mark.parametrize("parent", ["checkout.pyc", "__pycache__"])
@@ -319,10 +249,8 @@ def test_own_modules_ship_wherever_the_checkout_lives(
     cache = probe.parent / "__pycache__" / "_fork_probe.cpython-311.pyc"
     cache.parent.mkdir(exist_ok=True)
     cache.write_bytes(b"not a module")
-    done = helpers.pip_wheel(repo, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    wheel = helpers.only_wheel(tmp_path / "out", pin)
-    with zipfile.ZipFile(wheel) as z:
+    done = helpers.offline_build(repo, tmp_path / "out", upstream_wheel)
+    with zipfile.ZipFile(helpers.only_wheel(tmp_path / "out", pin, done)) as z:
         assert z.read("lightning/pytorch/_fork_probe.py") == b"PROBE = 1\n"
         assert not [n for n in z.namelist() if "__pycache__" in n or n.endswith(".pyc")]
         fork_txt = z.read(f"{pin.name}-{pin.fork_version}.dist-info/FORK.txt").decode()

@@ -15,9 +15,7 @@ which there are none to run between equal release numbers; the fork loads stock 
 
 from __future__ import annotations
 
-import base64
 import csv
-import hashlib
 import io
 import json
 import os
@@ -93,10 +91,6 @@ class Venv:
             path = Path(os.path.normpath(self.site_packages / name))
             rows[path.relative_to(self.root).as_posix()] = (digest, size)
         return rows
-
-
-def _sha(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +186,7 @@ def test_pip_check(venv: Venv) -> None:
 
 
 @pytest.mark.parametrize("which", ["fork_wheel", "standalone_wheel", "stock_wheel"])
-def test_installed_files_are_the_wheels(request, venv: Venv, which: str) -> None:
+def test_installed_files_are_the_wheels(request, helpers, venv: Venv, which: str) -> None:
     wheel = request.getfixturevalue(which)
     project, version = wheel.name.split("-")[:2]
     installed = venv.record(f"{project}-{version}.dist-info")
@@ -202,7 +196,7 @@ def test_installed_files_are_the_wheels(request, venv: Venv, which: str) -> None
                 continue
             rel = (venv.site_packages / info.filename).relative_to(venv.root).as_posix()
             data = z.read(info)
-            assert installed[rel] == (_sha(data), str(len(data))), rel
+            assert installed[rel] == (helpers.record_hash(data), str(len(data))), rel
             assert (venv.root / rel).read_bytes() == data, rel
 
 
@@ -298,7 +292,7 @@ def test_uninstall_removes_exactly_what_was_installed(request, venv: Venv, pin: 
 # --- the two distributions stay together ------------------------------------------------------------------------------
 
 
-def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+def _wheel(sha, folder: Path, name: str, version: str, requires: list[str]) -> Path:
     """A minimal wheel of an empty distribution that requires ``requires``."""
     project = name.replace("-", "_")
     dist_info = f"{project}-{version}.dist-info"
@@ -308,7 +302,7 @@ def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
         ).encode(),
         f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    record = [f"{k},{_sha(v)},{len(v)}" for k, v in files.items()] + [f"{dist_info}/RECORD,,"]
+    record = [f"{k},{sha(v)},{len(v)}" for k, v in files.items()] + [f"{dist_info}/RECORD,,"]
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
     path = folder / f"{project}-{version}-py3-none-any.whl"
     folder.mkdir(parents=True, exist_ok=True)
@@ -325,25 +319,22 @@ def _installed_version(venv: Venv, distribution: str) -> str:
 
 @pytest.mark.parametrize("installer", ["pip", "uv"])
 def test_a_package_that_depends_on_pytorch_lightning_keeps_the_patched_one(
-    venv: Venv, pin: Pin, standalone_upstream_wheel: Path, installer: str
+    helpers, venv: Venv, pin: Pin, standalone_upstream_wheel: Path, installer: str
 ) -> None:
     """A third-party package requiring ``pytorch-lightning`` (any version, or ``==2.6.6``, which PEP 440 lets the
     local version ``2.6.6+amp.1`` satisfy), from an index that also offers the stock 2.6.6 wheel: the patched one
     stays, byte for byte."""
     index = venv.workdir / f"index-{installer}"
-    _wheel(index, "needs-any-pl", "1.0", ["pytorch-lightning>=2.0"])
-    _wheel(index, "needs-pl-266", "1.0", ["pytorch-lightning==2.6.6"])
+    _wheel(helpers.record_hash, index, "needs-any-pl", "1.0", ["pytorch-lightning>=2.0"])
+    _wheel(helpers.record_hash, index, "needs-pl-266", "1.0", ["pytorch-lightning==2.6.6"])
     (index / standalone_upstream_wheel.name).write_bytes(standalone_upstream_wheel.read_bytes())
     record_before = venv.record(f"pytorch_lightning-{pin.fork_version}.dist-info")
+    args = ("install", "--no-index", "--find-links", str(index), "needs-any-pl", "needs-pl-266")
     if installer == "pip":
-        done = venv.pip("install", "--no-index", "--find-links", str(index), "needs-any-pl", "needs-pl-266")
+        venv.pip(*args)
     else:
-        uv = Path(sys.executable).with_name("uv")
-        if not uv.is_file():
-            pytest.skip("uv is not installed (requirements/test.txt installs it)")
-        done = subprocess.run([str(uv), "pip", "install", "--python", str(venv.python), "--no-index", "--find-links",
-                               str(index), "needs-any-pl", "needs-pl-266"], env=venv.env, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([_uv_or_skip(), "pip", *args, "--python", str(venv.python)], env=venv.env,
+                              capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     try:
         assert _installed_version(venv, "pytorch-lightning") == pin.fork_version
@@ -354,15 +345,6 @@ def test_a_package_that_depends_on_pytorch_lightning_keeps_the_patched_one(
 
 
 # --- the README's install command, from a git URL ---------------------------------------------------------------------
-
-
-def _git_repo(helpers, dest: Path) -> str:
-    """A committed copy of the build inputs, as a git URL."""
-    repo = helpers.copy_build_inputs(dest)
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
-    return f"git+{repo.as_uri()}"
 
 
 def _offline(helpers, venv: Venv, upstream_dir: Path, tmp_path: Path) -> dict[str, str]:
@@ -393,9 +375,8 @@ def test_one_git_url_installs_both(request, helpers, venv: Venv, pin: Pin, upstr
     """``pip install git+URL`` (the venv's pip 23.2.1 and the newest) and ``uv pip install git+URL``: built in the
     installer's clone, lightning names its companion from the same URL and commit (forkbuild/companion.py), so one
     URL installs both patched distributions."""
-    url = _git_repo(helpers, tmp_path / "repo")
-    commit = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True,
-                            text=True, check=True).stdout.strip()
+    commit = helpers.commit_all(helpers.copy_build_inputs(tmp_path / "repo"))
+    url = f"git+{(tmp_path / 'repo').as_uri()}"
     env = _offline(helpers, venv, upstream_dir, tmp_path)
     venv.pip("uninstall", "-y", "lightning", "pytorch-lightning")
     try:

@@ -77,25 +77,22 @@ def test_the_readme_pins_a_commit_of_this_repositorys_history() -> None:
     _pinned_commit_of_this_repository()
 
 
+def _assert_builds_naming_its_companion(helpers, pin: Pin, upstream_dir: Path, out: Path, url: str, commit: str,
+                                        pip: tuple[str, ...] = ("-m", "pip")) -> None:
+    """pip builds ``lightning @ URL@COMMIT`` offline, and the wheel requires its companion at the same URL and
+    commit (one such requirement)."""
+    done = helpers.offline_build(f"lightning @ {url}@{commit}", out, upstream_dir, pip=pip)
+    files = helpers.wheel_files(helpers.only_wheel(out, pin, done))
+    metadata = files[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
+    companion = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: pytorch-lightning")]
+    assert companion == [f"Requires-Dist: pytorch-lightning @ {url}@{commit}#subdirectory=packaging/pytorch-lightning"]
+
+
 def test_the_readmes_commit_builds(helpers, pin: Pin, upstream_dir: Path, tmp_path: Path) -> None:
     """pip, as the README's first line runs it, at the README's commit of this repository (offline)."""
-    commit = _pinned_commit_of_this_repository()
     url = "git+file://localhost" + ROOT.as_posix()
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
-    done = helpers.pip_wheel(f"lightning @ {url}@{commit}", tmp_path / "out", env)
-    assert done.returncode == 0, done.stdout
-    wheel = helpers.only_wheel(tmp_path / "out", pin)
-    metadata = helpers.wheel_files(wheel)[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
-    assert f"Requires-Dist: pytorch-lightning @ {url}@{commit}#subdirectory=packaging/pytorch-lightning" in metadata
-
-
-def _git_repo(helpers, dest: Path) -> str:
-    """A committed copy of the build inputs; returns the commit."""
-    repo = helpers.copy_build_inputs(dest)
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
-    return subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    _assert_builds_naming_its_companion(helpers, pin, upstream_dir, tmp_path / "out", url,
+                                        _pinned_commit_of_this_repository())
 
 
 def _project(folder: Path) -> Path:
@@ -113,23 +110,11 @@ def _project(folder: Path) -> Path:
 def test_pip_named_requirement_at_a_commit(
     request, helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, installer: str
 ) -> None:
-    commit = _git_repo(helpers, tmp_path / "repo")
+    commit = helpers.commit_all(helpers.copy_build_inputs(tmp_path / "repo"))
     url = "git+file://localhost" + (tmp_path / "repo").as_posix()  # the form pip 23 accepts for a local path
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
-    if installer == "pip":  # the test environment's pip
-        done = helpers.pip_wheel(f"lightning @ {url}@{commit}", tmp_path / "out", env)
-    else:
-        (tmp_path / "out").mkdir()
-        pip = request.getfixturevalue("newest_pip") / "pip"
-        command = [sys.executable, str(pip), "wheel", f"lightning @ {url}@{commit}", "--no-deps", "--no-cache-dir",
-                   "-w", str(tmp_path / "out")]  # fmt: skip
-        done = subprocess.run(command, env=env, cwd=tmp_path / "out", stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout
-    wheel = helpers.only_wheel(tmp_path / "out", pin)
-    metadata = helpers.wheel_files(wheel)[f"{pin.name}-{pin.fork_version}.dist-info/METADATA"].decode()
-    companion = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: pytorch-lightning")]
-    assert companion == [f"Requires-Dist: pytorch-lightning @ {url}@{commit}#subdirectory=packaging/pytorch-lightning"]
+    # the test environment's pip, or the newest one, run from its wheel
+    pip = ("-m", "pip") if installer == "pip" else (str(request.getfixturevalue("newest_pip") / "pip"),)
+    _assert_builds_naming_its_companion(helpers, pin, upstream_dir, tmp_path / "out", url, commit, pip)
 
 
 def _uv_run(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -148,7 +133,7 @@ def _installed(project: Path, distribution: str) -> str:
 def test_uv_lock_names_the_given_url_and_syncs_after_the_cache_is_gone(
     helpers, pin: Pin, upstream_dir: Path, tmp_path: Path, at_commit: bool
 ) -> None:
-    commit = _git_repo(helpers, tmp_path / "repo")
+    commit = helpers.commit_all(helpers.copy_build_inputs(tmp_path / "repo"))
     ref = f"@{commit}" if at_commit else ""
     url = (tmp_path / "repo").as_uri()  # file:///...: what a user's https URL is to uv and git
     env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir), "UV_CACHE_DIR": str(tmp_path / "cache")})

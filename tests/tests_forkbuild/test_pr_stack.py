@@ -100,9 +100,12 @@ def toy_stack(clone: Path, stack: Path) -> None:
     }), title="Document the widget", closes=("#102", "#103"))
 
 
-def run_stack(clone: Path, stack: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SCRIPT, "--upstream", str(clone), "--stack", str(stack), "--base", base_of(clone),
+def run_stack(clone: Path, stack: Path, out: Path, *extra: str, code: int | None = 0) -> subprocess.CompletedProcess:
+    """``make pr-stack``'s script on ``stack``; it must exit with ``code`` (unless None)."""
+    done = subprocess.run([*SCRIPT, "--upstream", str(clone), "--stack", str(stack), "--base", base_of(clone),
                            "--out", str(out), *extra], capture_output=True, text=True, cwd=REPO)
+    assert code is None or done.returncode == code, done.stderr
+    return done
 
 
 def clone_state(clone: Path) -> tuple[str, str, str, str]:
@@ -113,9 +116,7 @@ def clone_state(clone: Path) -> tuple[str, str, str, str]:
 def assert_refused(clone: Path, stack: Path, out: Path, message: str) -> None:
     """The run fails (exit 1) with ``message`` and leaves the clone as it was, writing no manifest."""
     before = clone_state(clone)
-    done = run_stack(clone, stack, out)
-    assert done.returncode == 1
-    assert message in done.stderr
+    assert message in run_stack(clone, stack, out, code=1).stderr
     assert clone_state(clone) == before
     assert not (out / "stack.json").exists()
 
@@ -123,8 +124,7 @@ def assert_refused(clone: Path, stack: Path, out: Path, message: str) -> None:
 def test_one_branch_per_folder_each_on_the_base_alone(upstream, tmp_path):
     toy_stack(upstream, tmp_path / "stack")
     before = clone_state(upstream)
-    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    run_stack(upstream, tmp_path / "stack", tmp_path / "out")
     base = base_of(upstream)
     for branch in ("amp/widget-returns-two", "amp/widget-docs"):
         assert git(upstream, "rev-list", "--count", f"{base}..{branch}").strip() == "1"
@@ -145,7 +145,7 @@ def test_one_branch_per_folder_each_on_the_base_alone(upstream, tmp_path):
 
 def test_stack_json(upstream, tmp_path):
     toy_stack(upstream, tmp_path / "stack")
-    assert run_stack(upstream, tmp_path / "stack", tmp_path / "out").returncode == 0
+    run_stack(upstream, tmp_path / "stack", tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "stack.json").read_text())
     assert manifest["base"] == base_of(upstream)
     first, second = manifest["prs"]
@@ -178,8 +178,7 @@ def test_each_pr_merges_in_order_onto_its_predecessors(upstream, tmp_path):
     pair = "def first():\n    return {}\n\n\n\ndef second():\n    return {}\n"
     add_pr(stack, "01-second", diff_of(upstream, {"src/pkg/pair.py": pair.format(1, 2)}), merge_order=2)
     add_pr(stack, "02-first", diff_of(upstream, {"src/pkg/pair.py": pair.format(2, 1)}), merge_order=1)
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    run_stack(upstream, stack, tmp_path / "out")
     base = base_of(upstream)
     assert git(upstream, "rev-parse", "amp/second^").strip() == base
     assert git(upstream, "rev-list", "--count", f"{base}..amp/stack-in-order").strip() == "2"
@@ -208,7 +207,6 @@ def test_changelog_entries_of_two_prs_are_both_kept_in_order(upstream, tmp_path)
     add_pr(stack, "01-a", diff_of(upstream, {"CHANGELOG.md": log.format("Fixed a")}))
     add_pr(stack, "02-b", diff_of(upstream, {"CHANGELOG.md": log.format("Fixed b")}))
     done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 0, done.stderr
     assert git(upstream, "show", "amp/stack-in-order:CHANGELOG.md") == log.format("Fixed a\n- Fixed b")
     manifest = json.loads((tmp_path / "out" / "stack.json").read_text())
     assert [pr["union_merged"] for pr in manifest["prs"]] == [[], ["CHANGELOG.md"]]
@@ -221,8 +219,7 @@ def test_the_same_change_in_two_prs_merges_once(upstream, tmp_path):
     helper = "def widget():\n    return 1\n\n\ndef helper():\n    return 0\n"
     add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": helper}))
     add_pr(stack, "02-b", diff_of(upstream, {"src/pkg/widget.py": helper, "docs/widget.rst": "W\n"}))
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    run_stack(upstream, stack, tmp_path / "out")
     assert git(upstream, "show", "amp/stack-in-order:src/pkg/widget.py") == helper
 
 
@@ -234,8 +231,7 @@ def test_the_merge_order_numbers_the_prs(upstream, tmp_path, orders, message):
     stack = tmp_path / "stack"
     add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}), merge_order=orders[0])
     add_pr(stack, "02-b", diff_of(upstream, {"docs/widget.rst": "W\n"}), merge_order=orders[1])
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, stack, tmp_path / "out", code=1)
     assert message in done.stderr
 
 
@@ -243,8 +239,7 @@ def test_a_later_pr_states_its_merge_order(upstream, tmp_path):
     stack = tmp_path / "stack"
     add_pr(stack, "01-a", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
     add_pr(stack, "02-b", diff_of(upstream, {"docs/widget.rst": "W\n"}), description="Document it.\n\nFixes #101\n")
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, stack, tmp_path / "out", code=1)
     assert "02-b: description.md does not state the merge order" in done.stderr
 
 
@@ -255,20 +250,16 @@ def test_a_limit_fails_naming_the_pr_and_the_limit(upstream, tmp_path, top, path
     stack = tmp_path / "stack"
     toy_stack(upstream, stack)
     add_pr(stack, "03-too-big", diff_of(upstream, {path: "x = 1\n" * (limit + 1)}))
-    before = clone_state(upstream)
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
-    assert f"03-too-big: {limit + 1} changed lines under {top}/, over the limit of {limit}" in done.stderr
-    assert clone_state(upstream) == before  # checked before any branch is made
-    assert not (tmp_path / "out" / "stack.json").exists()
+    # checked before any branch is made
+    assert_refused(upstream, stack, tmp_path / "out",
+                   f"03-too-big: {limit + 1} changed lines under {top}/, over the limit of {limit}")
 
 
 def test_a_description_over_300_words_fails(upstream, tmp_path):
     stack = tmp_path / "stack"
     long = DESCRIPTION.format(what="works", closes="#101") + "word " * 300
     add_pr(stack, "01-wordy", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}), description=long)
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, stack, tmp_path / "out", code=1)
     assert f"01-wordy: description.md has {pr_stack.words(long)} words, over the limit of 300" in done.stderr
     assert pr_stack.words("one <!-- a comment\nof many words --> two") == 2
 
@@ -278,14 +269,12 @@ def test_the_issue_draft_a_pr_names_must_exist(upstream, tmp_path):
     pr = add_pr(stack, "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 1\n"}))
     with (pr / "pr.toml").open("a") as toml:
         toml.write('issue = "01-widget.md"\n')
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, stack, tmp_path / "out", code=1)
     assert "01-widget/pr.toml: issue = '01-widget.md': no such file in" in done.stderr
 
     (tmp_path / "ours" / "issues").mkdir()
     (tmp_path / "ours" / "issues" / "01-widget.md").write_text("# The widget returns one\n")
-    done = run_stack(upstream, stack, tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    run_stack(upstream, stack, tmp_path / "out")
 
 
 def test_check_requires_every_pr_to_name_its_issue_draft(upstream, tmp_path):
@@ -298,8 +287,7 @@ def test_check_requires_every_pr_to_name_its_issue_draft(upstream, tmp_path):
 
 def test_exactly_at_the_limit_passes(upstream, tmp_path):
     add_pr(tmp_path / "stack", "01-at-the-limit", diff_of(upstream, {"src/pkg/big.py": "x = 1\n" * 400}))
-    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    run_stack(upstream, tmp_path / "stack", tmp_path / "out")
 
 
 def test_a_patch_that_does_not_apply_leaves_the_clone_as_it_was(upstream, tmp_path):
@@ -315,13 +303,11 @@ def test_a_patch_that_does_not_apply_leaves_the_clone_as_it_was(upstream, tmp_pa
 def test_an_existing_branch_is_refused_and_replaced_with_force(upstream, tmp_path):
     toy_stack(upstream, tmp_path / "stack")
     git(upstream, "branch", "amp/widget-docs")
-    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
-    assert done.returncode == 2
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out", code=2)
     assert "02-widget-docs: branch amp/widget-docs exists" in done.stderr
     assert "--force" in done.stderr
     assert git(upstream, "branch", "--list", "amp/widget-returns-two") == ""
     done = run_stack(upstream, tmp_path / "stack", tmp_path / "out", "--force")
-    assert done.returncode == 0, done.stderr
     assert git(upstream, "rev-list", "--count", "master..amp/widget-docs").strip() == "1"
 
 
@@ -332,8 +318,7 @@ def test_a_replaced_branch_is_restored_on_failure(upstream, tmp_path):
     old = git(upstream, "rev-parse", "amp/widget-returns-two")
     add_pr(stack, "03-stale", "diff --git a/src/pkg/gone.py b/src/pkg/gone.py\n--- a/src/pkg/gone.py\n"
            "+++ b/src/pkg/gone.py\n@@ -1 +1 @@\n-a\n+b\n")
-    done = run_stack(upstream, stack, tmp_path / "out", "--force")
-    assert done.returncode == 1
+    run_stack(upstream, stack, tmp_path / "out", "--force", code=1)
     assert git(upstream, "rev-parse", "amp/widget-returns-two") == old
     assert git(upstream, "branch", "--list", "amp/widget-docs") == ""
 
@@ -352,8 +337,7 @@ TOML = 'branch = "amp/{}"\ntitle = "{}"\ncloses = [{}]\nmerge_order = 1\ntouches
 def test_pr_toml_is_checked(upstream, tmp_path, toml, message):
     pr = add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {"src/pkg/widget.py": "x = 2\n"}))
     (pr / "pr.toml").write_text(toml)
-    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out", code=1)
     assert "01-widget/pr.toml" in done.stderr
     assert message in done.stderr
 
@@ -378,8 +362,7 @@ def test_upstream_words_pass():
 def test_test_files_do_not_import_across_suites(upstream, tmp_path):
     add_pr(tmp_path / "stack", "01-widget", diff_of(upstream, {
         "tests/tests_pytorch/test_cross.py": "from tests_fabric.helpers.runif import RunIf\n"}))
-    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out")
-    assert done.returncode == 1
+    done = run_stack(upstream, tmp_path / "stack", tmp_path / "out", code=1)
     assert "tests/tests_pytorch/test_cross.py imports tests_fabric" in done.stderr
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from forkbuild import assemble, upstream
+from forkbuild import assemble
 from forkbuild.patching import parse, read_series
 from forkbuild.pin import Pin
 from forkbuild.rename import STANDALONE, STOCK
@@ -92,14 +92,13 @@ def test_wheel_name_version_and_dist_info(standalone_pin: Pin, standalone_wheel:
         assert standalone_files[name] == b"2.6.6+amp.1\n"
 
 
-def test_record_lists_every_file_with_its_hash(standalone_pin: Pin, standalone_files: dict[str, bytes]) -> None:
+def test_record_lists_every_file_with_its_hash(helpers, standalone_pin: Pin,
+                                               standalone_files: dict[str, bytes]) -> None:
     rows = list(csv.reader(io.StringIO(standalone_files[f"{_dist_info(standalone_pin)}/RECORD"].decode())))
     assert {row[0] for row in rows} == set(standalone_files)
     for name, digest, size in rows:
-        if name.endswith("/RECORD"):
-            continue
-        assert (digest, size) == (assemble._record_line(name, standalone_files[name]).split(",", 1)[1].split(",")[0],
-                                  str(len(standalone_files[name]))), name
+        data = standalone_files[name]
+        assert name.endswith("/RECORD") or (digest, size) == (helpers.record_hash(data), str(len(data))), name
 
 
 def test_every_difference_from_upstream_is_explained(
@@ -138,24 +137,17 @@ def test_the_standalone_package_is_lightnings_renamed(
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_package_is_upstream_plus_the_series_renamed_and_applied_by_git(
-    repo_snapshot: Path, standalone_files: dict[str, bytes], standalone_upstream_files: dict[str, bytes],
+    helpers, repo_snapshot: Path, standalone_files: dict[str, bytes], standalone_upstream_files: dict[str, bytes],
     tmp_path: Path,
 ) -> None:
-    tree = tmp_path / "tree"
-    for name, data in _package(standalone_upstream_files).items():
-        (tree / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / "src" / name).write_bytes(data)
-    for patch_file in read_series(repo_snapshot / "patches"):
-        text = patch_file.read_text()
+    def renamed(text: str) -> bytes:
         text = re.sub(r"^(---|\+\+\+) ([ab])/src/lightning/pytorch/", r"\1 \2/src/pytorch_lightning/", text, flags=re.M)
         text = re.sub(r"^(---|\+\+\+) ([ab])/src/lightning/fabric/", r"\1 \2/src/lightning_fabric/", text, flags=re.M)
-        text = re.sub(r"^diff --git .*$", "", text, flags=re.M)
-        head, sep, body = text.partition("\n--- ")
-        renamed = tmp_path / patch_file.name
-        renamed.write_text(head + sep + _rename_text(body))
-        done = subprocess.run(["git", "apply", "--verbose", str(renamed)], cwd=tree, capture_output=True, text=True)
-        assert done.returncode == 0, f"git apply {patch_file.name} (renamed):\n{done.stderr}"
-    expected = {p.relative_to(tree / "src").as_posix(): p.read_bytes() for p in (tree / "src").rglob("*") if p.is_file()}
+        head, sep, body = re.sub(r"^diff --git .*$", "", text, flags=re.M).partition("\n--- ")
+        return (head + sep + _rename_text(body)).encode()
+
+    patches = [(p.name, renamed(p.read_text())) for p in read_series(repo_snapshot / "patches")]
+    expected = helpers.git_apply_series(_package(standalone_upstream_files), patches, tmp_path)
     for name, data in assemble.overlay_files(repo_snapshot / "src").items():
         target = STANDALONE.path(name)
         if target is not None:
@@ -190,37 +182,25 @@ def test_dist_info_and_metadata(standalone_pin: Pin, repo_snapshot: Path, standa
 # --- building it: reproducible, from git with a subdirectory, from its sdist; hash-checked -----------------------------
 
 
-def test_the_standalone_build_is_reproducible(helpers, standalone_pin: Pin, upstream_dir: Path,
-                                               standalone_wheel: Path, repo_copy: Path, tmp_path: Path) -> None:
-    """Another copy, another path, the folder (not a file) as the setting: the same bytes."""
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
-    done = helpers.pip_wheel(repo_copy / helpers.STANDALONE_RECIPE, tmp_path / "out", env)
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", standalone_pin).read_bytes() == standalone_wheel.read_bytes()
-
-
-def test_the_flavour_config_setting_builds_it_from_the_root(helpers, standalone_pin: Pin, upstream_dir: Path,
-                                                             standalone_wheel: Path, repo_copy: Path,
-                                                             tmp_path: Path) -> None:
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_dir)})
-    done = helpers.pip_wheel(repo_copy, tmp_path / "out", env, config_settings={"flavour": "pytorch-lightning"})
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", standalone_pin).read_bytes() == standalone_wheel.read_bytes()
-
-
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_build_from_a_git_url_with_a_subdirectory(helpers, standalone_pin: Pin, upstream_wheel: Path,
-                                                  standalone_wheel: Path, repo_copy: Path, tmp_path: Path) -> None:
-    """What ``pip install "git+URL#subdirectory=packaging/pytorch-lightning"`` builds. (pip < 24 refuses the named form,
-    ``pytorch-lightning @ git+file:///...``, for a file:// URL without a host; the README's https URLs take both.)"""
-    git = ["git", "-C", str(repo_copy), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "build inputs"]):
-        subprocess.run(git + args, check=True, capture_output=True)
-    url = f"git+{repo_copy.as_uri()}#subdirectory={helpers.STANDALONE_RECIPE.as_posix()}"
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
-    done = helpers.pip_wheel(url, tmp_path / "out", env)
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", standalone_pin).read_bytes() == standalone_wheel.read_bytes()
+@pytest.mark.parametrize("route", ["recipe-folder", "flavour-setting", "git-subdirectory"])
+def test_every_route_builds_the_same_standalone_wheel(helpers, standalone_pin: Pin, upstream_wheel: Path,
+                                                      upstream_dir: Path, standalone_wheel: Path, repo_copy: Path,
+                                                      tmp_path: Path, route: str) -> None:
+    """The same bytes from another copy at another path (the upstream folder, not a file, as the setting, but from
+    git): from the recipe's folder; from the root with ``--config-settings flavour=pytorch-lightning``; what ``pip
+    install "git+URL#subdirectory=packaging/pytorch-lightning"`` builds (pip < 24 refuses the named form,
+    ``pytorch-lightning @ git+file:///...``, for a file:// URL without a host; the README's https URLs take both)."""
+    source, settings, wheels = repo_copy / helpers.STANDALONE_RECIPE, None, upstream_dir
+    if route == "flavour-setting":
+        source, settings = repo_copy, {"flavour": "pytorch-lightning"}
+    elif route == "git-subdirectory":
+        if shutil.which("git") is None:
+            pytest.skip("git is not installed")
+        helpers.commit_all(repo_copy)
+        source = f"git+{repo_copy.as_uri()}#subdirectory={helpers.STANDALONE_RECIPE.as_posix()}"
+        wheels = upstream_wheel
+    done = helpers.offline_build(source, tmp_path / "out", wheels, config_settings=settings)
+    helpers.same_wheel(standalone_wheel, tmp_path / "out", standalone_pin, done)
 
 
 def test_sdist_holds_the_recipe_and_builds_the_same_wheel(helpers, standalone_pin: Pin, upstream_wheel: Path,
@@ -241,9 +221,8 @@ def test_sdist_holds_the_recipe_and_builds_the_same_wheel(helpers, standalone_pi
     assert pyproject == (repo_copy / helpers.STANDALONE_RECIPE / "pyproject.toml").read_bytes()
     assert {"PKG-INFO", "_forkbuild_backend.py", "upstream.toml", "forkbuild/backend.py", "patches/series"} <= names
     assert not {n for n in names if n.split("/", 1)[0] in ("pytorch_lightning", "lightning_fabric", "lightning")}
-    done = helpers.pip_wheel(sdist, tmp_path / "out", helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    assert helpers.only_wheel(tmp_path / "out", standalone_pin).read_bytes() == standalone_wheel.read_bytes()
+    done = helpers.offline_build(sdist, tmp_path / "out", upstream_wheel)
+    helpers.same_wheel(standalone_wheel, tmp_path / "out", standalone_pin, done)
 
 
 def test_a_tampered_pytorch_lightning_wheel_is_refused(helpers, standalone_pin: Pin, upstream_wheel: Path,
@@ -254,11 +233,9 @@ def test_a_tampered_pytorch_lightning_wheel_is_refused(helpers, standalone_pin: 
     data = bytearray(standalone_upstream_wheel.read_bytes())
     data[len(data) // 3] ^= 0x01
     (folder / standalone_pin.filename).write_bytes(bytes(data))
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(folder / upstream_wheel.name)})
-    done = helpers.pip_wheel(helpers.REPO / helpers.STANDALONE_RECIPE, tmp_path / "out", env)
-    assert done.returncode != 0
-    assert f"expected sha256 {standalone_pin.sha256}" in done.stdout and standalone_pin.filename in done.stdout
-    assert not list((tmp_path / "out").iterdir())
+    recipe = helpers.REPO / helpers.STANDALONE_RECIPE
+    done = helpers.offline_build(recipe, tmp_path / "out", folder / upstream_wheel.name)
+    helpers.refused(done, tmp_path / "out", f"expected sha256 {standalone_pin.sha256}", standalone_pin.filename)
 
 
 def test_a_patch_that_does_not_apply_stops_the_standalone_build_too(helpers, upstream_wheel: Path,
@@ -270,11 +247,9 @@ def test_a_patch_that_does_not_apply_stops_the_standalone_build_too(helpers, ups
     )
     with open(repo / "patches" / "series", "a") as f:
         f.write("9999-stale.patch\n")
-    env = helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)})
-    done = helpers.pip_wheel(repo / helpers.STANDALONE_RECIPE, tmp_path / "out", env)
-    assert done.returncode != 0
-    assert "patch 9999-stale.patch does not apply to src/pytorch_lightning/core/module.py" in done.stdout
-    assert not list((tmp_path / "out").iterdir())
+    done = helpers.offline_build(repo / helpers.STANDALONE_RECIPE, tmp_path / "out", upstream_wheel)
+    helpers.refused(done, tmp_path / "out",
+                    "patch 9999-stale.patch does not apply to src/pytorch_lightning/core/module.py")
 
 
 # --- the tests' stock copy --------------------------------------------------------------------------------------------

@@ -6,19 +6,15 @@ what the package should hold without forkbuild's applier (with ``git apply``), s
 
 from __future__ import annotations
 
-import base64
 import csv
-import hashlib
 import io
 import shutil
 import subprocess
-import zipfile
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
 
-from forkbuild import upstream
 from forkbuild.patching import parse, read_series
 from forkbuild.pin import Pin
 
@@ -108,10 +104,7 @@ def _with_extras(
     module = repo / "src" / "lightning" / "pytorch" / "_extra_module_for_tests.py"
     module.parent.mkdir(parents=True, exist_ok=True)
     module.write_text("EXTRA = True\n")
-    out = root / "out"
-    done = helpers.pip_wheel(repo, out, helpers.offline_env(**{upstream.ENV_VAR: str(upstream_wheel)}))
-    assert done.returncode == 0, done.stdout
-    return repo, helpers.only_wheel(out, pin)
+    return repo, helpers.only_wheel(root / "out", pin, helpers.offline_build(repo, root / "out", upstream_wheel))
 
 
 @pytest.fixture(scope="module", params=["this-repository", "copy-with-extra-patches"])
@@ -124,8 +117,7 @@ def built(request, helpers, pin: Pin, upstream_wheel: Path, upstream_files: dict
         if shutil.which("git") is None:
             pytest.skip("git is not installed")
         repo, wheel = _with_extras(helpers, pin, upstream_wheel, upstream_files, tmp_path_factory.mktemp("extras"))
-    with zipfile.ZipFile(wheel) as z:
-        files = {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+    files = helpers.wheel_files(wheel)
     if request.param != "this-repository":  # the extras are there, both patches applied in order
         assert b"\n# first, then second extra patch\n" in files["lightning/fabric/fabric.py"]
         assert b"\n# second extra patch\n" in files["lightning/__about__.py"]
@@ -143,7 +135,7 @@ def test_wheel_name_and_dist_info(pin: Pin, fork_wheel: Path, fork_files: dict[s
     assert fork_files["lightning/version.info"] == f"{pin.fork_version}\n".encode()
 
 
-def test_record_lists_every_file_with_its_hash_and_size(pin: Pin, built) -> None:
+def test_record_lists_every_file_with_its_hash_and_size(helpers, pin: Pin, built) -> None:
     _, fork_files = built
     rows = _record(fork_files, _dist_info(pin))
     assert all(len(row) == 3 for row in rows), [row for row in rows if len(row) != 3]
@@ -155,8 +147,7 @@ def test_record_lists_every_file_with_its_hash_and_size(pin: Pin, built) -> None
             assert (digest, size) == ("", "")
             continue
         data = fork_files[name]
-        expected = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        assert (digest, size) == (expected, str(len(data))), name
+        assert (digest, size) == (helpers.record_hash(data), str(len(data))), name
 
 
 # --- the package: upstream's except where the series and our modules say ----------------------------------------------
@@ -180,23 +171,13 @@ def test_every_difference_from_upstream_is_explained(pin: Pin, built, upstream_f
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_package_is_upstream_plus_series_applied_by_git_plus_own_modules(
-    pin: Pin, built, upstream_files: dict[str, bytes], tmp_path: Path
+    helpers, pin: Pin, built, upstream_files: dict[str, bytes], tmp_path: Path
 ) -> None:
     """Rebuild the package independently: upstream's files in upstream's layout, ``git apply`` each patch of the
     series in order, lay src/ over it, set version.info; the wheel must hold exactly that."""
     repo, fork_files = built
-    tree = tmp_path / "tree"
-    theirs = _package(upstream_files, _upstream_dist_info(pin))
-    for name, data in theirs.items():
-        (tree / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / "src" / name).write_bytes(data)
-    for patch_file in read_series(repo / "patches"):
-        done = subprocess.run(["git", "apply", "--verbose", str(patch_file)], cwd=tree, capture_output=True, text=True)
-        assert done.returncode == 0, f"git apply {patch_file.name}:\n{done.stderr}"
-    expected = {
-        path.relative_to(tree / "src").as_posix(): path.read_bytes() for path in (tree / "src").rglob("*")
-        if path.is_file()
-    }
+    patches = [(p.name, p.read_bytes()) for p in read_series(repo / "patches")]
+    expected = helpers.git_apply_series(_package(upstream_files, _upstream_dist_info(pin)), patches, tmp_path)
     expected.update(_own_modules(repo))
     expected["lightning/version.info"] = f"{pin.fork_version}\n".encode()
 
