@@ -78,7 +78,8 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
     import torch
     from amp_oracle.trainer import FORK, STOCK, lightning_api, make_trainer
     from amp_oracle.world import autocast_dtype, new_scaler
-    from workloads import build_batches, build_model, build_optimizer, build_scheduler, lightning_module, recipe_step
+    from workloads import (build_batches, build_model, build_optimizer, build_scheduler, fabric_step, lightning_module,
+                           make_fabric, recipe_step)
 
     counter = Counter()
     counter.wrap_host_reads()
@@ -94,33 +95,23 @@ def measure(impl: str, workload: str, mode: str, precision: str, fused: bool, cl
         elif step == LAST:
             counter.stop()
 
-    if impl == "recipe":
+    if impl == "recipe" or mode == "fabric":
+        fabric = None
+        if mode == "fabric":
+            fabric = make_fabric(__import__("lightning.fabric" if impl == "fork" else "stock_lightning_fabric",
+                                            fromlist=["Fabric"]), precision, "cpu", scaler)
         model = build_model(workload, SIZES)
         opt = build_optimizer(model.parameters(), fused)
-        scheduler = build_scheduler(opt)
+        if fabric is not None:
+            model, opt = fabric.setup(model, opt)
+        scheduler = build_scheduler(opt if fabric is None else opt.optimizer)
         for step in range(STEPS + 1):
             window(step)
             x, y = batches[step % len(batches)]
-            recipe_step(model, opt, scaler, x, y, "cpu", dtype, clip)
-            scheduler.step()
-    elif mode == "fabric":
-        fabric_pkg = __import__("lightning.fabric" if impl == "fork" else "stock_lightning_fabric", fromlist=["x"])
-        precision_pkg = __import__(f"{fabric_pkg.__name__}.plugins.precision", fromlist=["MixedPrecision"])
-        plugin = precision_pkg.MixedPrecision(precision, "cpu", scaler=scaler)
-        fabric = fabric_pkg.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-        model = build_model(workload, SIZES)
-        model, opt = fabric.setup(model, build_optimizer(model.parameters(), fused))
-        scheduler = build_scheduler(opt.optimizer)
-        for step in range(STEPS + 1):
-            window(step)
-            x, y = batches[step % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            with fabric.autocast():
-                loss = model.module.loss(x, y)
-            fabric.backward(loss)
-            if clip:
-                fabric.clip_gradients(model, opt, max_norm=clip)
-            opt.step()
+            if fabric is None:
+                recipe_step(model, opt, scaler, x, y, "cpu", dtype, clip)
+            else:
+                fabric_step(fabric, model, opt, x, y, clip)
             scheduler.step()
     else:
         from torch.utils.data import DataLoader

@@ -14,8 +14,7 @@ What a step time is
     does per batch: forward, backward, clipping, the optimizer step, the precision plugin's per-iteration bookkeeping
     (the fork's scaler update runs after the last step, before ``on_train_batch_end``), the batch-end hooks and the
     fetch of the next batch. It excludes the Trainer's start-up and tear-down, paid once per ``fit``, which would
-    dominate a short run. (A window ``on_train_batch_start -> on_train_batch_end`` would miss the loop's work after the
-    batch-end hooks; "total fit time minus a short run" needs two fits and subtracts two noisy numbers.) The first
+    dominate a short run. The first
     ``warmup`` iterations are dropped (allocator warm-up, lazy optimizer state, the scaler's first steps); the runner
     takes the median of the rest. On CPU the process's CPU time (``time.process_time``) is read at the same marks: a
     second figure, which other processes on a shared machine do not inflate. On CUDA, free-running marks are CUDA
@@ -43,7 +42,8 @@ import warnings
 
 import torch
 
-from workloads import build_batches, build_model, build_optimizer, lightning_module, recipe_step
+from workloads import (build_batches, build_model, build_optimizer, fabric_step, lightning_module, make_fabric,
+                       recipe_step)
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -96,12 +96,8 @@ class MemoryMeter:
 
 
 class Channel:
-    """This measurement's line to the runner: a Unix socket it connects to as soon as the process starts.
-
-    Through it the measurement says ``ready`` at the start of every iteration and, in lock-step, waits for ``go``
-    (see :class:`StepClock`); its last line is ``result {json}``. A measurement that dies closes the socket, so the
-    runner notices instead of waiting for ever.
-    """
+    """This measurement's Unix socket to the runner: ``ready`` at each iteration's start, then (lock-step) wait for
+    ``go``; its last line ``result {json}``. A measurement that dies closes it, so the runner does not wait for ever."""
 
     def __init__(self, path: str, run_id: str) -> None:
         import socket
@@ -120,18 +116,10 @@ class Channel:
 
 
 class StepClock:
-    """Marks the start of every iteration and gives the duration of each one.
-
-    Free-running (``gate=None``), an iteration lasts from one mark to the next. In lock-step the measurements of one
-    workload (fork, stock, raw) take turns, one iteration each: at every mark this process stops its clock, tells the
-    runner it is ready and waits until its turn comes round again, then starts its clock. An iteration is then the
-    time from the ``go`` to the next mark, and the contenders' iterations run milliseconds apart, under the same load
-    from the rest of the machine. On CUDA, lock-step synchronizes the device at each mark (so one process's kernels do
-    not run into the next one's turn) and times with the host clock; free-running, the marks are CUDA events.
-
-    On CPU each mark also reads the process's CPU time (all its threads, ``time.process_time``), a second figure that
-    does not grow when other processes take the cores away.
-    """
+    """Marks the start of every iteration (wall and CPU time). Free-running (``gate=None``) an iteration lasts from one
+    mark to the next; in lock-step, at every mark the clock stops, says ``ready`` and waits for its turn, so an
+    iteration runs from its ``go`` to the next mark. On CUDA lock-step synchronizes at each mark (one process's kernels
+    must not run into the next one's turn); free-running, the marks are CUDA events."""
 
     def __init__(self, device: str, gate: Channel | None = None) -> None:
         self.device = device
@@ -193,6 +181,11 @@ def _scaler(device: str) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device, init_scale=2.0**10)
 
 
+def _result(clock: StepClock, meter: MemoryMeter, mem: int, lightning: str | None, **extra) -> dict:
+    return {"times": clock.intervals(), "cpu_times": clock.cpu_intervals(), "mem": mem, "mem_method": meter.method,
+            "lightning": lightning, **extra}
+
+
 def run_raw(spec: dict, gate: Channel | None = None) -> dict:
     """PyTorch's AMP recipe, written out: autocast around the forward pass and loss only; for 16-mixed
     ``scaler.scale(loss).backward()``, ``scaler.unscale_`` before clipping, ``scaler.step``, ``scaler.update``."""
@@ -210,9 +203,7 @@ def run_raw(spec: dict, gate: Channel | None = None) -> dict:
     for x, y in loader:
         clock.mark()
         recipe_step(model, opt, scaler, x, y, device, dtype, clip)
-    times = clock.intervals()
-    return {"times": times, "cpu_times": clock.cpu_intervals(), "mem": meter.stop(), "mem_method": meter.method,
-            "lightning": None}
+    return _result(clock, meter, meter.stop(), None)
 
 
 def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
@@ -242,67 +233,36 @@ def run_lightning(spec: dict, gate: Channel | None = None) -> dict:
         kwargs = {"plugins": [MixedPrecision("16-mixed", device, scaler=_scaler(device))]}
     if clip and mode == "auto":
         kwargs["gradient_clip_val"] = clip
-    trainer = pl.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        max_steps=total,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
-        **kwargs,
-    )
+    trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=total, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+                         **kwargs)
     torch.manual_seed(0)
     module = lightning_module(pl, build_model(workload, sizes), mode, fused, foreach, clip)
     trainer.fit(module, train_dataloaders=_loader(build_batches(workload, sizes, device), total))
-    plugin = trainer.precision_plugin
-    return {
-        "times": clock.intervals(),
-        "cpu_times": clock.cpu_intervals(),
-        "mem": timer.mem,
-        "mem_method": meter.method,
-        "lightning": lightning.__version__,
-        "autocast_cache": _autocast_cache(plugin),
-    }
+    return _result(clock, meter, timer.mem, lightning.__version__,
+                   autocast_cache=_autocast_cache(trainer.precision_plugin))
 
 
 def run_fabric(spec: dict, gate: Channel | None = None) -> dict:
-    """The same work through ``lightning.fabric.Fabric``, in a hand-written loop: ``fabric.backward(loss)``, then
-    ``fabric.clip_gradients`` (with a clip) and ``optimizer.step()``."""
+    """The same work through ``lightning.fabric.Fabric``, in the hand-written loop of :func:`workloads.fabric_step`."""
     import lightning
-    from lightning.fabric import Fabric
-    from lightning.fabric.plugins.precision import MixedPrecision
+    import lightning.fabric
 
-    device, precision, clip = spec["device"], spec["precision"], spec["clip"]
-    kwargs: dict = {}
-    if precision == "16-mixed":
-        kwargs["plugins"] = [MixedPrecision("16-mixed", device, scaler=_scaler(device))]
-    else:
-        kwargs["precision"] = "32-true" if precision == "32" else precision
-    fabric = Fabric(accelerator="gpu" if device == "cuda" else "cpu", devices=1, **kwargs)
+    device = spec["device"]
+    scaler = _scaler(device) if spec["precision"] == "16-mixed" else None
+    fabric = make_fabric(lightning.fabric, spec["precision"], device, scaler)
     torch.manual_seed(0)
     model = build_model(spec["workload"], spec["sizes"])
     model, opt = fabric.setup(model, build_optimizer(model.parameters(), spec["fused"], spec.get("foreach")))
-    total = spec["warmup"] + spec["steps"] + 1
     batches = build_batches(spec["workload"], spec["sizes"], device)
     clock, meter = StepClock(device, gate), MemoryMeter(device)
     meter.start()
-    for i in range(total):
+    for i in range(spec["warmup"] + spec["steps"] + 1):
         x, y = batches[i % len(batches)]
         clock.mark()
-        opt.zero_grad(set_to_none=True)
-        with fabric.autocast():  # the workload's `loss` method, under the precision's autocast as a forward would be
-            loss = model.module.loss(x, y)
-        fabric.backward(loss)
-        if clip:
-            fabric.clip_gradients(model, opt, max_norm=clip)
-        opt.step()
-    return {"times": clock.intervals(), "cpu_times": clock.cpu_intervals(), "mem": meter.stop(),
-            "mem_method": meter.method, "lightning": lightning.__version__}
+        fabric_step(fabric, model, opt, x, y, spec["clip"])
+    return _result(clock, meter, meter.stop(), lightning.__version__)
 
 
 def _autocast_cache(plugin) -> bool | None:

@@ -176,6 +176,28 @@ def recipe_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, x: torch.T
         opt.step()
 
 
+def make_fabric(fabric_pkg, precision: str, device: str, scaler):
+    """A one-device ``Fabric`` of ``fabric_pkg`` (the fork's ``lightning.fabric`` or stock's); 16-mixed through an
+    explicit ``MixedPrecision`` with ``scaler`` (on a CPU the ``precision`` flag alone would become bf16)."""
+    kwargs: dict = {"precision": "32-true" if precision == "32" else precision}
+    if precision == "16-mixed":
+        plugins = __import__(f"{fabric_pkg.__name__}.plugins.precision", fromlist=["MixedPrecision"])
+        kwargs = {"plugins": [plugins.MixedPrecision("16-mixed", device, scaler=scaler)]}
+    return fabric_pkg.Fabric(accelerator="gpu" if device == "cuda" else "cpu", devices=1, **kwargs)
+
+
+def fabric_step(fabric, model, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, clip: float) -> None:
+    """One iteration of a hand-written Fabric loop: the workload's ``loss`` under ``fabric.autocast()`` (as a forward
+    would be), ``fabric.backward(loss)``, ``fabric.clip_gradients`` by norm (``clip`` > 0), ``optimizer.step()``."""
+    opt.zero_grad(set_to_none=True)
+    with fabric.autocast():
+        loss = model.module.loss(x, y)
+    fabric.backward(loss)
+    if clip:
+        fabric.clip_gradients(model, opt, max_norm=clip)
+    opt.step()
+
+
 def lightning_module(pl, model: nn.Module, mode: str, fused: bool, foreach: bool | None = None, clip: float = 0.0,
                      scheduler: bool = False):
     """A ``LightningModule`` of ``pl`` (the fork's ``lightning.pytorch`` or stock's) training the workload ``model``
