@@ -1,53 +1,25 @@
 """Benchmark the fork against stock ``lightning==2.6.6`` and a hand-written PyTorch loop, as ratios.
 
-Usage: ``benchmarks/README.md`` (``make bench``; ``--help`` lists the sizes, rounds, steps and workloads). The runner
-needs only the standard library and matplotlib; it never imports torch. Every measurement runs in the virtual
-environment of its contender (both load the same torch files, see ``setup.sh``):
+Usage and how to read the figures: ``benchmarks/README.md`` (``make bench``; ``--help`` lists the sizes, rounds, steps
+and workloads). The runner needs only the standard library and matplotlib, never torch. Every measurement runs through
+``worker.py`` (what it measures: its docstring) in its contender's virtual environment (both load the same torch files,
+see ``setup.sh``): ``fork`` (``benchmarks/.venvs/fork``), ``stock`` (``benchmarks/.venvs/stock``) and ``raw``, PyTorch's
+AMP recipe written out (``workloads.recipe_step``), in the stock environment (it imports only torch).
 
-* ``fork``: the fork's ``lightning`` (``benchmarks/.venvs/fork``);
-* ``stock``: upstream's ``lightning==2.6.6`` (``benchmarks/.venvs/stock``);
-* ``raw``: PyTorch's AMP recipe written out by hand (autocast around forward and loss only; for 16-mixed
-  ``scaler.scale(loss).backward()``, ``unscale_`` before clipping, ``scaler.step``, ``scaler.update``), in the stock
-  environment (it imports only torch).
+Workloads (``workloads.py``; sizes by flag, defaults per device in ``sizes.py``), all AdamW: ``mlp`` (nothing reuses a
+weight, so fork/stock is what the fork adds per step; A/A rows run stock against stock), ``tied`` and ``rnn``
+(bf16-mixed; the fork's automatic optimization keeps autocast's weight cache on, stock hard-codes it off; in manual
+optimization both leave it off), ``many`` (1,000 parameter tensors, ``foreach``: per-parameter work shows; its runs time
+``--many-steps``) and ``fused`` (16-mixed with clipping: the fork runs ``AdamW(fused=True)``, stock, which refuses to
+clip a fused optimizer (checked first), ``fused=False``; on a CPU 16-mixed is an explicit ``MixedPrecision`` with a CPU
+``GradScaler``, since the flag alone would become bf16).
 
-Workloads (sizes by flag, defaults per device in ``benchmarks/sizes.py``), all trained with AdamW:
-
-* ``mlp``: a plain MLP, automatic and manual optimization, precision 32, bf16-mixed and 16-mixed. Nothing in it
-  reuses a weight, so fork and stock do the same work: fork/stock measures what the fork adds per step. Two A/A rows
-  (one more stock run against stock) show, in the same run, how far apart two identical contenders come out.
-* ``tied``: one Linear layer applied 8 times per forward; ``rnn``: an ``RNNCell`` unrolled over 16 steps; bf16-mixed,
-  automatic and manual optimization. In automatic optimization the fork keeps autocast's weight cache on (the
-  default of its ``MixedPrecision(cache_enabled=None)`` on torch >= 2.11), stock 2.6.6 hard-codes it off, so stock
-  casts each reused weight at every use and keeps every copy for the backward pass. In manual optimization the
-  fork's default leaves the cache off too (a ``training_step`` may edit weights in place between two forwards): those
-  rows show that the two then do the same work.
-* ``many``: 500 tiny ``Linear(8, 8)`` layers with ``tanh`` (1,000 parameter tensors), ``AdamW(foreach=True)`` for
-  every contender: any work done per parameter shows here, above all the fork's per-parameter gradient hooks, which
-  exist only under 16-mixed in manual optimization. Rows: 16-mixed automatic (with an A/A row) and manual, and
-  bf16-mixed manual (the same mode without a scaler, so without the hooks). Its steps are the slowest, so its runs
-  time ``--many-steps`` steps (default: half of ``--steps``). The report adds the fork-minus-stock time per step, per
-  parameter tensor.
-* ``fused``: AdamW with gradient clipping (``gradient_clip_val``) under 16-mixed with a real ``GradScaler``: the fork
-  runs ``AdamW(fused=True)``; stock raises on clipping with a fused optimizer (the runner checks that first), so it
-  runs ``fused=False`` (torch's default then: the for-loop implementation on CPU, foreach on CUDA); ``raw`` runs
-  ``fused=True``. On a CPU, 16-mixed is ``plugins=[MixedPrecision("16-mixed", "cpu",
-  scaler=torch.amp.GradScaler("cpu"))]`` (the ``precision`` flag alone would silently become bf16).
-
-What is measured (step time, peak memory, each in a fresh process): ``worker.py``'s docstring.
-
-How the contenders are interleaved, and what is reported
-    ``--rounds`` rounds. In each, the runs of one workload (fork, stock and raw; for the MLP all its rows of one
-    precision) start together and, with ``--interleave step`` (the default on CPU), take turns one training iteration
-    at a time, the order rotating from iteration to iteration: each run's clock stops while the others take their
-    turn, so the contenders' iterations are timed milliseconds apart, under the same load from the rest of a shared
-    machine. With ``--interleave run`` (the default on CUDA) the runs go one after the other, the order rotating from
-    round to round. Ratios (fork/stock, fork/raw) are formed within a round and the table gives their median over the
-    rounds, with the smallest and largest round in brackets. Absolute times are not reported (the machine is shared
-    and noisy); they are in ``raw.json`` next to the table.
-
-Outputs (``--out``, default ``benchmarks/results``): ``results.md`` (``results-cuda.md`` for ``--device cuda``) with
-the table and the targets (PASS/FAIL), ``ratios.png`` (``ratios-cuda.png``), ``raw.json`` (``raw-cuda.json``) and the
-measurements' log ``run.log``.
+``--rounds`` rounds; in each, the runs of one workload start together and, with ``--interleave step`` (the default),
+take turns one iteration at a time, the order rotating, so they are timed milliseconds apart under the same load;
+``--interleave run`` runs them one after the other. Ratios are formed within a round: the table gives their median, the
+smallest and largest round in brackets. Outputs (``--out``, default ``benchmarks/results``; ``-cuda`` suffixed for
+``--device cuda``): ``results.md`` (table, targets PASS/FAIL), ``ratios.png``, ``raw.json`` (every step time) and
+``run.log``.
 """
 
 from __future__ import annotations
@@ -200,6 +172,12 @@ class Orchestra:
             return "result", json.loads(line[len("result "):])
         return line.strip(), None
 
+    def _until_result(self, f) -> dict:
+        kind, payload = self._read(f)
+        while kind != "result":
+            kind, payload = self._read(f)
+        return payload
+
     def session(self, runs: list[tuple[str, str, dict]], lockstep: bool, marks: int) -> dict:
         """Run ``runs`` ((run id, venv, spec)), each with ``marks`` iteration marks; their results by run id.
 
@@ -211,11 +189,7 @@ class Orchestra:
         if not lockstep:
             for run_id, venv, spec in runs:
                 self._start(venv, spec)
-                f = self._connect(1)[run_id]
-                kind, payload = self._read(f)
-                while kind != "result":
-                    kind, payload = self._read(f)
-                results[run_id] = payload
+                results[run_id] = self._until_result(self._connect(1)[run_id])
             self._reap()
             return results
         for _run_id, venv, spec in runs:
@@ -239,10 +213,7 @@ class Orchestra:
                     results[run_id] = payload
                     active.remove(run_id)
         for run_id in active:
-            kind, payload = self._read(lines[run_id])
-            while kind != "result":
-                kind, payload = self._read(lines[run_id])
-            results[run_id] = payload
+            results[run_id] = self._until_result(lines[run_id])
         self._reap()
         return results
 
@@ -275,36 +246,33 @@ class Ratio:
 
     @property
     def lo(self) -> float:
-        return min(self.per_round) if self.per_round else float("nan")
+        return min(self.per_round, default=float("nan"))
 
     @property
     def hi(self) -> float:
-        return max(self.per_round) if self.per_round else float("nan")
+        return max(self.per_round, default=float("nan"))
 
     def fmt(self) -> str:
-        if not self.per_round:
-            return "n/a"
-        return f"**{self.mid:.3f}** ({self.lo:.2f}-{self.hi:.2f})"
+        return f"**{self.mid:.3f}** ({self.lo:.2f}-{self.hi:.2f})" if self.per_round else "n/a"
+
+
+METRIC_KEYS = {"time": "times", "cpu": "cpu_times", "mem": "mem"}
+
+
+def round_pairs(results: dict, case: Case, num: str, den: str, metric: str, rounds: int) -> list[tuple]:
+    """``(num, den)`` figures of ``metric`` in the rounds where both ran and have it: "time", the run's median wall
+    time per step; "cpu", its median CPU time per step (CPU only); "mem", its peak memory growth."""
+    key, out = METRIC_KEYS[metric], []
+    for r in range(rounds):
+        a, b = results.get((case.name, num, r)), results.get((case.name, den, r))
+        if a and b and "error" not in a and "error" not in b and (metric == "mem" or (a.get(key) and b.get(key))):
+            out.append((a[key], b[key]) if metric == "mem" else (median(a[key]), median(b[key])))
+    return out
 
 
 def paired(results: dict, case: Case, num: str, den: str, metric: str, rounds: int) -> Ratio:
-    """``num/den`` for ``metric`` round by round: "time", the run's median wall time per step; "cpu", its median CPU
-    time per step (CPU only); "mem", its peak memory growth."""
-    out = []
-    for r in range(rounds):
-        a, b = results.get((case.name, num, r)), results.get((case.name, den, r))
-        if not a or not b or "error" in a or "error" in b:
-            continue
-        if metric == "mem":
-            x, y = a["mem"], b["mem"]
-        else:
-            key = "times" if metric == "time" else "cpu_times"
-            if not a.get(key) or not b.get(key):
-                continue
-            x, y = median(a[key]), median(b[key])
-        if y > 0:
-            out.append(x / y)
-    return Ratio(out)
+    """``num/den`` for ``metric`` round by round."""
+    return Ratio([x / y for x, y in round_pairs(results, case, num, den, metric, rounds) if y > 0])
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -375,7 +343,7 @@ def per_parameter_cost(rows: list[tuple[Case, dict]], results: dict, rounds: int
     """The many-parameter model's fork-minus-stock time per step, in absolute terms and per parameter tensor: what the
     fork does per parameter (under 16-mixed in manual optimization: one gradient hook per parameter per backward and
     one optimizer step pre-hook), next to the rows without it."""
-    metric, key = ("cpu", "cpu_times") if device == "cpu" else ("time", "times")
+    metric = "cpu" if device == "cpu" else "time"
     cases = [case for case, _ in rows if case.workload == "many"]
     if not cases:
         return []
@@ -388,18 +356,12 @@ def per_parameter_cost(rows: list[tuple[Case, dict]], results: dict, rounds: int
         "| --- | --- | --- | --- |",
     ]
     for case in cases:
-        diffs, bases = [], []
-        for r in range(rounds):
-            a, b = results.get((case.name, "fork", r)), results.get((case.name, "stock", r))
-            if not a or not b or "error" in a or "error" in b or not a.get(key) or not b.get(key):
-                continue
-            diffs.append(median(a[key]) - median(b[key]))
-            bases.append(median(b[key]))
-        if not diffs:
+        pairs = round_pairs(results, case, "fork", "stock", metric, rounds)
+        if not pairs:
             continue
-        d = Ratio(diffs)
+        d, base = Ratio([x - y for x, y in pairs]), median([y for _, y in pairs])
         out.append(
-            f"| {case.label()} | {median(bases) * 1e3:.1f} ms | {d.mid * 1e3:+.2f} ms ({d.lo * 1e3:+.2f} to "
+            f"| {case.label()} | {base * 1e3:.1f} ms | {d.mid * 1e3:+.2f} ms ({d.lo * 1e3:+.2f} to "
             f"{d.hi * 1e3:+.2f}) | {d.mid / tensors * 1e6:+.2f} us ({d.lo / tensors * 1e6:+.2f} to "
             f"{d.hi / tensors * 1e6:+.2f}) |"
         )
@@ -445,38 +407,20 @@ def targets(rows: list[tuple[Case, dict]], device: str) -> list[tuple[str, str, 
                 verdict(all(ratio.mid <= 1.02 for _, ratio in mlp))
                 + noise_note([ratio for _, ratio in mlp if ratio.mid > 1.02], aa),
             ))
-    for case, r in rows:
-        if case.workload not in ("tied", "rnn") or case.mode != "auto":
-            continue  # in manual optimization the fork's cache is off by default, as stock's: no gain expected
+    # in manual optimization the fork's cache is off by default, as stock's: no gain expected there
+    faster = [(c, r, f"{c.label()}: faster than stock", 0.98) for c, r in rows
+              if c.workload in ("tied", "rnn") and c.mode == "auto"]
+    faster += [(c, r, "AdamW + clipping, 16-mixed: fused (fork) faster than unfused (stock)", 1.0) for c, r in rows
+               if c.workload == "fused"]
+    for case, r, what, below in faster:
         for metric, measure in time_metrics:
             t = r[(metric, "stock")]
-            out.append((
-                f"{case.label()}: faster than stock",
-                measure,
-                "fork/stock: median < 0.98, and < 1 in every round but at most one",
-                spread(t),
-                verdict((t.mid < 0.98 and mostly_below_one(t)) if t.per_round else None),
-            ))
-        m = r[("mem", "stock")]
-        out.append((
-            f"{case.label()}: lighter than stock",
-            "peak memory growth",
-            "fork/stock: median < 0.95",
-            spread(m),
-            verdict((m.mid < 0.95) if m.per_round else None),
-        ))
-    for case, r in rows:
+            out.append((what, measure, f"fork/stock: median < {below:g}, and < 1 in every round but at most one",
+                        spread(t), verdict((t.mid < below and mostly_below_one(t)) if t.per_round else None)))
         if case.workload != "fused":
-            continue
-        for metric, measure in time_metrics:
-            t = r[(metric, "stock")]
-            out.append((
-                "AdamW + clipping, 16-mixed: fused (fork) faster than unfused (stock)",
-                measure,
-                "fork/stock: median < 1, and < 1 in every round but at most one",
-                spread(t),
-                verdict((t.mid < 1.0 and mostly_below_one(t)) if t.per_round else None),
-            ))
+            m = r[("mem", "stock")]
+            out.append((f"{case.label()}: lighter than stock", "peak memory growth", "fork/stock: median < 0.95",
+                        spread(m), verdict((m.mid < 0.95) if m.per_round else None)))
     return out
 
 
@@ -521,7 +465,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.many_steps = args.many_steps or max(1, args.steps // 2)
     args.threads = (1 if args.device == "cpu" else 0) if args.threads is None else args.threads
     args.isolation = args.isolation or ("fork" if args.device == "cpu" else "spawn")
-    args.interleave = args.interleave or "step"
     if args.device == "cuda" and args.isolation == "fork":
         p.error("--isolation fork cannot be used with CUDA (a forked child cannot use CUDA); use spawn")
     defaults = DEFAULT_SIZES[args.device]
@@ -554,15 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         venv_of = {"fork": "fork", "stock": "stock", "raw": "stock"}
 
         def spec_for(case: Case, contender: str, **over) -> dict:
-            spec = {
-                "impl": "raw" if contender == "raw" else "lightning",
-                "workload": case.workload, "precision": case.precision, "mode": case.mode,
-                "fused": case.fused[contender], "foreach": case.foreach, "clip": case.clip, "device": args.device,
-                "warmup": args.warmup, "steps": case.steps or args.steps, "threads": args.threads,
-                "sizes": args.sizes,
-            }
-            spec.update(over)
-            return spec
+            return {"impl": "raw" if contender == "raw" else "lightning", "workload": case.workload,
+                    "precision": case.precision, "mode": case.mode, "fused": case.fused[contender],
+                    "foreach": case.foreach, "clip": case.clip, "device": args.device, "warmup": args.warmup,
+                    "steps": case.steps or args.steps, "threads": args.threads, "sizes": args.sizes, **over}
 
         # the premise of the fused workload: stock refuses to clip with a fused optimizer
         premise = None
@@ -598,13 +536,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  round {r + 1} {case.name} {who}: ERROR {res['error']}", file=sys.stderr)
                     elif not case.aa:
                         versions[who] = (res.get("lightning"), res.get("torch"))
-                    for row in [c for c in cases if not c.aa] if who == "raw" else [case]:
-                        if who != "raw" or row.raw_key() == case.raw_key():
-                            results[(row.name, who, r)] = res
-                    if who == "stock" and case.mode == "auto":
-                        for row in cases:
-                            if row.aa and row.raw_key() == case.raw_key():
-                                results[(row.name, "stock", r)] = res
+                    # the raw run serves every row of its key; an automatic stock run the A/A rows of its precision
+                    same = [c for c in cases if c.raw_key() == case.raw_key()]
+                    for row in {"raw": [c for c in same if not c.aa],
+                                "stock": [case] + [c for c in same if c.aa and case.mode == "auto"]}.get(who, [case]):
+                        results[(row.name, who, r)] = res
             print(f"round {r + 1}/{args.rounds} done ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
         orchestra.close()
 
@@ -616,13 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         if stock_v and stock_v != "2.6.6":
             sys.exit(f"the stock environment runs lightning {stock_v}, not 2.6.6")
 
-    rows = []
-    for case in cases:
-        ratios = {
-            (metric, den): paired(results, case, "fork", den, metric, args.rounds)
-            for metric in ("time", "cpu", "mem") for den in ("stock", "raw")
-        }
-        rows.append((case, ratios))
+    rows = [(case, {(metric, den): paired(results, case, "fork", den, metric, args.rounds)
+                    for metric in METRIC_KEYS for den in ("stock", "raw")}) for case in cases]
     elapsed = time.time() - started
     load_end = os.getloadavg() if hasattr(os, "getloadavg") else None
 
