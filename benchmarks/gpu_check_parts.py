@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -170,13 +171,14 @@ def judge(row: dict, expected: Optional[Run], runs: dict, recipe_error: Optional
 
 
 def compare_row(part: Part, check: str, loop: Callable, step: Callable, configure: Callable, automatic: bool,
-                precision: str = "16-mixed", net: Optional[nn.Module] = None, **kwargs: Any) -> None:
+                precision: str = "16-mixed", net: Optional[nn.Module] = None, records: bool = False,
+                **kwargs: Any) -> None:
     """A row: the oracle's recipe ``loop`` against ``step`` through the fork's and stock's Trainer, on the device."""
     net = W.mlp() if net is None else net
     with part.row(check) as row:
         expected, error = attempt(lambda: on_device(loop, net, configure, precision, part.device, automatic))
         runs = lightning_runs(precision, net, configure, step, automatic, device=part.device, **kwargs)
-        judge(row, expected, runs, error)
+        judge(row, expected, runs, error, records=records)
 
 
 # ---------------------------------------------------------------------------------------------------- 1. reports
@@ -272,12 +274,9 @@ def ema_row(part: Part) -> None:
             with rc.autocast():
                 rc.records.append(F.mse_loss(rc.net.student(x).float(), y).item())
 
-    with part.row("bf16-mixed manual optimization: EMA teacher, StepLR stepped per batch, a forward after the step "
-                  "(records: its loss)") as row:
-        net = W.TeacherStudent()
-        expected, error = attempt(lambda: on_device(recipe, net, configure, "bf16-mixed", part.device, False))
-        runs = lightning_runs("bf16-mixed", net, configure, training_step, False, device=part.device)
-        judge(row, expected, runs, error, records=True)
+    compare_row(part, "bf16-mixed manual optimization: EMA teacher, StepLR stepped per batch, a forward after the "
+                "step (records: its loss)", recipe, training_step, configure, False, "bf16-mixed", W.TeacherStudent(),
+                records=True)
 
 
 # ---------------------------------------------------------------------------------------------------- 2. equivalence
@@ -630,7 +629,7 @@ def part_watch(part: Part) -> None:
     }
     for check, (step, n_opts, misuse) in rows.items():
         with part.row(check) as row:
-            configure = (lambda n: W.one_optimizer(n, "AdamW")) if n_opts == 1 else (lambda n: W.two_optimizers(n, "AdamW"))
+            configure = functools.partial(W.one_optimizer if n_opts == 1 else W.two_optimizers, name="AdamW")
             runs = lightning_runs("16-mixed", W.mlp(), configure, step, False, device=part.device, watch_misuse=True)
             for who, (run, err) in runs.items():
                 sane = run is not None and all(torch.isfinite(p).all().item() for p in run.params.values())
