@@ -1,28 +1,18 @@
 """The DDP driver (``strategies/test_ddp_amp_recipe.py``): ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``
 over gloo, and the two hand-written PyTorch AMP recipes every DDP run is compared with.
 
-Data: :data:`N_BATCHES` global batches of :data:`GLOBAL_BATCH` samples; rank ``r`` of the 2 processes trains on the
-half ``[r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)`` of each. Every rank's loss is the mean over its half and DDP averages
-the gradients over the ranks, so the gradients are those of the mean loss over the global batch. The references are
+Rank ``r`` trains on the half ``[r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)`` of each global batch; DDP averages the
+gradients, so they are those of the mean loss over the global batch. The references (:func:`recipe_run`):
 
-* :func:`recipe_run` with ``split=False``: the single-process recipe on the global batch (one forward and backward
-  over all 8 samples). The mathematics of DDP, but not its rounding: DDP sums the two halves' gradients after each
-  was computed (and, under autocast, rounded to fp16/bf16) on its own, so this reference agrees only up to a
-  tolerance (see the test);
-* :func:`recipe_run` with ``split=True``: the same recipe computing, per batch, the two halves' scaled gradients with
-  one backward each, accumulated in the fp32 ``.grad`` and halved, which is exactly the arithmetic of DDP with two
-  ranks: each rank's gradient times 1/2, summed by the all-reduce (a sum of two floats does not depend on the order;
-  halving commutes with rounding). This reference is bitwise.
+* ``split=False``: one forward and backward over the global batch: DDP's mathematics, not its rounding (DDP sums the
+  halves' gradients after each was rounded on its own), so it agrees only up to a tolerance;
+* ``split=True``: one scaled backward per half, accumulated in the fp32 ``.grad`` and halved: exactly DDP's arithmetic
+  with two ranks (a sum of two floats does not depend on the order; halving commutes with rounding), so bitwise.
 
-Loss scales are powers of two with ``growth_interval=1``, from ``LOW_INIT_SCALE`` (the resumed case trains two
-epochs); :data:`INF_BATCH`'s loss is multiplied by ``inf`` on the ranks a case says.
-
-Why a subprocess: "ddp" is what users run, and Lightning's launcher re-runs the main script as the other rank, which a
-pytest process cannot be. :func:`launch` runs this module (``python -m amp_oracle.ddp OUTDIR [--stock]``) once; its
-first ``fit`` starts rank 1 (the launcher re-runs ``-m amp_oracle.ddp``) and rank 0 sets ``LOCAL_RANK`` for itself,
-so every later Trainer joins the same two processes and process group. Both ranks train every case in the same order
-and save each :class:`~amp_oracle.run.Run` as ``OUTDIR/<package>-<run>-rank<r>.pt``; with ``--stock`` the negative
-controls run afterwards through the unpatched ``stock_pytorch_lightning`` 2.6.6.
+Why a subprocess: Lightning's launcher re-runs the main script as the other rank, which a pytest process cannot be.
+:func:`launch` runs ``python -m amp_oracle.ddp OUTDIR [--stock]`` once; its first ``fit`` starts rank 1 and every later
+Trainer joins the same process group. Both ranks train every case in order and save each :class:`~amp_oracle.run.Run`
+as ``OUTDIR/<package>-<run>-rank<r>.pt``; ``--stock`` adds the negative controls (``stock_pytorch_lightning`` 2.6.6).
 """
 
 import os
@@ -30,7 +20,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -44,15 +34,15 @@ from amp_oracle.world import (
     INF_BATCH,
     LOW_INIT_SCALE,
     N_BATCHES,
-    changed_since,
+    clip_args,
     make_batches,
     mlp,
     mlp_loss,
     new_scaler,
     one_optimizer,
     optimizer_params,
-    snapshot,
     two_optimizers,
+    uses_scaler,
 )
 
 WORLD_SIZE = 2
@@ -82,10 +72,6 @@ class Case:
 
     def inf_ranks(self, batch_idx: int) -> tuple[int, ...]:
         return dict(self.inf).get(batch_idx, ())
-
-    @property
-    def uses_scaler(self) -> bool:
-        return self.precision == "16-mixed"
 
     def configure(self, net: torch.nn.Sequential) -> list[torch.optim.Optimizer]:
         return (two_optimizers if self.two_optimizers else one_optimizer)(net, self.optimizer, self.fused)
@@ -132,8 +118,7 @@ def recipe_run(case: Case, split: bool) -> Run:
     over the global batch (mean loss). ``split=True``: one backward per rank's half, accumulated, then halved, as DDP
     averages them. ``skipped`` is, per optimizer, whether its step left its parameters alone."""
     rc = RecipeRun(mlp(NET_SEED), case.precision, data=global_batches(), init_scale=LOW_INIT_SCALE)
-    opts = case.configure(rc.net)
-    skipped = []
+    rc.tracked = opts = case.configure(rc.net)
     for _ in range(case.epochs):
         for batch_idx, batch in rc.batches():
             for opt in opts:
@@ -149,20 +134,14 @@ def recipe_run(case: Case, split: bool) -> Run:
             if split:
                 for p in rc.net.parameters():
                     p.grad.mul_(1 / WORLD_SIZE)
-            row = []
             for opt in opts:
-                params = optimizer_params(opt)
-                before = snapshot(params)
                 if case.clip:
                     rc.scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
+                    torch.nn.utils.clip_grad_norm_(optimizer_params(opt), CLIP_NORM)
                 rc.scaler.step(opt)
-                row.append(not changed_since(before, params))
             rc.scaler.update()
-            skipped.append(tuple(row))
-    run = rc.result()
-    run.skipped = skipped
-    return run
+    run = rc.result()  # the optimizers' groups hold every parameter: the net changed if any of them did
+    return replace(run, changed=[any(row) for row in run.changed])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -195,7 +174,7 @@ def training_step(case: Case) -> Callable:
         self.manual_backward(loss)
         for opt in opts:
             if case.clip:
-                self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+                self.clip_gradients(opt, **clip_args("norm"))
             opt.step()
         return None
 
@@ -216,11 +195,11 @@ def fit(package: str, case: Case, epochs: int, seed: int = NET_SEED, ckpt_path=N
 
     module = api.RecipeModule(mlp(seed), case.configure, training_step(case), case.automatic, case.precision)
     recorder = api.Recorder()
-    clip = {"gradient_clip_val": CLIP_NORM, "gradient_clip_algorithm": "norm"} if case.automatic and case.clip else {}
+    clip = clip_args("norm") if case.automatic and case.clip else {}
     trainer = make_trainer(
         api,
         case.precision,
-        scaler=new_scaler(init_scale=LOW_INIT_SCALE) if case.uses_scaler else None,
+        scaler=new_scaler(init_scale=LOW_INIT_SCALE) if uses_scaler(case.precision) else None,
         callbacks=[recorder, SkipSignals()],
         devices=2,
         strategy="ddp",
@@ -229,13 +208,7 @@ def fit(package: str, case: Case, epochs: int, seed: int = NET_SEED, ckpt_path=N
         **clip,
     )
     trainer.fit(module, train_dataloaders=RankBatches(), ckpt_path=ckpt_path)
-    run = Run(
-        params={name: p.detach().clone() for name, p in module.net.named_parameters()},
-        scales=None if all(s is None for s in recorder.scales) else recorder.scales,
-        changed=recorder.changed,
-        skipped=skipped,
-    )
-    return trainer, run
+    return trainer, recorder.run(module.net, skipped=skipped)
 
 
 def run_case(package: str, case: Case, outdir: Path) -> None:

@@ -2,21 +2,12 @@
 cell, each returning a :class:`~amp_oracle.run.Run`.
 
 A :class:`Cell` trains ``mlp(NET_SEED)`` over the :data:`~amp_oracle.world.N_BATCHES` batches of
-``make_batches(seed=DATA_SEED)`` twice:
-
-* through Fabric (:func:`fabric_run`): ``fabric.setup``, the forward through the ``_FabricModule``,
-  ``fabric.backward(loss)``, ``fabric.clip_gradients`` (or the user's own ``scaler.unscale_`` first), then
-  ``optimizer.step()`` for every optimizer;
-* through PyTorch's AMP recipe (:func:`recipe_run`, on :class:`~amp_oracle.run.RecipeRun`): ``scaler.unscale_(opt)``
-  before clipping, ``scaler.step(opt)`` for every optimizer, ``scaler.update()`` once per iteration.
-
-Both record per batch and optimizer whether its parameters changed and whether its step was skipped (the recipe: they
-did not change; Fabric: ``optimizer.step_was_skipped``, ``None`` where the package has none), and in ``records`` what
-norm clipping returned, ``("norm", total_norm)`` (the recipe also ``("value", max |grad|)`` before clipping by value,
-for :func:`assert_cell_is_sharp`: compare the records of norm-clipping cells only).
-
-The Fabric side comes from a package (:func:`fabric_api`): the fork (``lightning``) or the unpatched Fabric 2.6.6,
-``stock_lightning_fabric`` (upstream's pytorch_lightning 2.6.6 wheel renamed; the negative controls).
+``make_batches(seed=DATA_SEED)`` through Fabric (:func:`fabric_run`: ``fabric.backward``, ``fabric.clip_gradients`` or
+the user's own ``scaler.unscale_``, ``optimizer.step()``) and through PyTorch's AMP recipe (:func:`recipe_run`). Both
+record per batch and optimizer whether its parameters changed and whether its step was skipped (Fabric:
+``optimizer.step_was_skipped``, ``None`` where the package has none) and, in ``records``, what norm clipping returned
+(the recipe also ``("value", max |grad|)``, for :func:`assert_cell_is_sharp`). The Fabric side is the fork's
+(``lightning``) or the unpatched ``stock_lightning_fabric`` 2.6.6 (the negative controls).
 """
 
 from __future__ import annotations
@@ -58,9 +49,6 @@ NET_SEED, DATA_SEED = 7, 2025
 #: the optimizers of the cells, each fused or for-loop (``make_optimizer(name, params, fused)``)
 OPTIMIZERS = ("AdamW", "Adam", "SGD-momentum")
 CLIPS = ("none", "norm", "value")
-#: who unscales the gradients before clipping: Fabric (``clip_gradients``), Fabric twice (``clip_gradients`` called
-#: twice), or the user with ``scaler.unscale_`` on the Fabric-wrapped optimizer / on ``optimizer.optimizer``
-UNSCALERS = ("fabric", "clip-twice", "user-wrapper", "user-raw")
 
 
 @dataclass(frozen=True)
@@ -69,6 +57,9 @@ class Cell:
     optimizer: str = "AdamW"
     fused: bool = False
     clip: str = "none"
+    #: who unscales before clipping: Fabric (``clip_gradients``), Fabric twice (``"clip-twice"``), or the user with
+    #: ``scaler.unscale_`` on the Fabric-wrapped optimizer (``"user-wrapper"``) / on ``optimizer.optimizer``
+    #: (``"user-raw"``)
     unscaler: str = "fabric"
     #: two optimizers (one per linear layer) fed by one backward
     two_optimizers: bool = False
@@ -145,9 +136,7 @@ def recipe_run(
                     del rc.records[-1]  # what the second clip saw
             rc.scaler.step(opt)
         rc.scaler.update()
-    run = rc.result()
-    run.skipped = [tuple(not changed for changed in row) for row in run.changed]
-    return run
+    return rc.result()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -278,16 +267,9 @@ class FabricLoop:
     def state(self, scaler_entry: str = "plugin") -> dict[str, Any]:
         """What to hand to ``fabric.save``/``fabric.load``: the model, the optimizer(s) and, as ``scaler_entry``
         says, the precision plugin (``"plugin"``), the bare ``GradScaler`` (``"scaler"``) or nothing (``"none"``)."""
-        state: dict[str, Any] = {"model": self.model, "optimizer": self.opts[0]}
-        for i, opt in enumerate(self.opts[1:], start=1):
-            state[f"optimizer{i}"] = opt
-        if scaler_entry == "plugin":
-            state["precision"] = self.precision_plugin
-        elif scaler_entry == "scaler":
-            state["scaler"] = self.scaler
-        else:
-            assert scaler_entry == "none"
-        return state
+        state: dict[str, Any] = {"model": self.model, **{f"optimizer{i or ''}": o for i, o in enumerate(self.opts)}}
+        entry = {"plugin": {"precision": self.precision_plugin}, "scaler": {"scaler": self.scaler}, "none": {}}
+        return {**state, **entry[scaler_entry]}
 
     def save(self, path: Path, scaler_entry: str = "plugin") -> None:
         self.fabric.save(path, self.state(scaler_entry))

@@ -23,9 +23,8 @@ from amp_oracle.loops import clip_reference
 from amp_oracle.run import RecipeRun, Run
 from amp_oracle.trainer import FORK, fit_lightning, lightning_api
 from amp_oracle.world import (
-    CLIP_NORM,
-    CLIP_VALUE,
     INIT_SCALE,
+    clip_args,
     inf_batch,
     inject_inf,
     make_batches,
@@ -34,6 +33,7 @@ from amp_oracle.world import (
     new_scaler,
     one_optimizer,
     optimizer_params,
+    same,
     uses_scaler,
 )
 
@@ -86,13 +86,6 @@ def optimizer_state(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     ]
 
 
-def state_changed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
-    def same(a: Any, b: Any) -> bool:
-        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-    return any(a.keys() != b.keys() or not all(same(a[k], b[k]) for k in a) for a, b in zip(before, after))
-
-
 def grads_of(net: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in net.named_parameters() if p.grad is not None}
 
@@ -129,7 +122,7 @@ def recipe_run(
             grads.append(grads_of(rc.net))
         rc.scaler.step(opt)
         rc.scaler.update()
-        changed.append(state_changed(before, optimizer_state(opt)))
+        changed.append(not same(before, optimizer_state(opt)))
     return replace(rc.result(), grads=grads, state=optimizer_state(opt), state_changed=changed)
 
 
@@ -150,7 +143,7 @@ def _watch(package: str) -> type:
             self._before = optimizer_state(self.opt)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.state_changed.append(state_changed(self._before, optimizer_state(self.opt)))
+            self.state_changed.append(not same(self._before, optimizer_state(self.opt)))
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             self.grads.append(grads_of(pl_module.net))
@@ -167,8 +160,7 @@ def training_step(clip: str, inf_at: Optional[int]) -> Callable:
         opt.zero_grad()
         self.manual_backward(loss)
         if clip != "none":
-            clip_val = CLIP_NORM if clip == "norm" else CLIP_VALUE
-            self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=clip)
+            self.clip_gradients(opt, **clip_args(clip))
         opt.step()
         return None
 
@@ -191,9 +183,7 @@ def lightning_run(
     error."""
     inf_at = inf_batch(precision) if inf_at == "default" else inf_at
     watch = _watch(package)()
-    kwargs = {}
-    if mode == "automatic" and clip != "none":
-        kwargs = {"gradient_clip_val": CLIP_NORM if clip == "norm" else CLIP_VALUE, "gradient_clip_algorithm": clip}
+    kwargs = clip_args(clip) if mode == "automatic" and clip != "none" else {}
     run = fit_lightning(
         package,
         precision,

@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_oracle.run import RecipeRun
-from amp_oracle.world import CLIP_NORM, CLIP_VALUE, chunks, inject_inf, mlp_loss, optimizer_params
-
-# A recipe is ``(RecipeRun, optimizers) -> None``; a ``training_step`` body is ``(module, batch, batch_idx)``, where the
-# module has ``net``, ``inf_at``, ``late_inf_at`` and ``records`` (as ``RecipeModule`` has).
+from amp_oracle.world import CLIP_NORM, CLIP_VALUE, chunks, clip_args, inject_inf, mlp_loss, optimizer_params
 
 
 def clip_reference(rc: RecipeRun, opt: torch.optim.Optimizer, algorithm: str) -> None:
@@ -146,30 +143,51 @@ def recipe_gan(rc: RecipeRun, opts: list) -> None:
         opt_d.zero_grad()
         with rc.autocast():
             fake = net.gen(noise)
-            loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(
-                net.disc(fake.detach()), torch.zeros(4, 1)
-            )
-            loss_d = rc.inject(loss_d, i)
+            loss_d = rc.inject(net.d_loss(real, fake), i)
         rc.scaler.scale(loss_d).backward()
         rc.scaler.step(opt_d)
         rc.save_point(i, opts)
         rc.scaler.update()
         opt_d.zero_grad()
         with rc.autocast():
-            loss_g = rc.inject_late(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)
+            loss_g = rc.inject_late(net.g_loss(fake), i)
         opt_g.zero_grad()
         rc.scaler.scale(loss_g).backward()
         rc.scaler.step(opt_g)
         rc.scaler.update()
 
 
-def manual_plain(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-    opt.zero_grad()
-    loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
-    self.manual_backward(loss)
-    opt.step()
+def manual_one_optimizer(
+    loss: Callable = mlp_loss,
+    *,
+    inject: bool = True,
+    raw: bool = False,
+    set_to_none: bool = True,
+    before: Optional[Callable] = None,
+    backward_at: Callable[[int], bool] = lambda batch_idx: True,
+    before_step: Optional[Callable] = None,
+) -> Callable:
+    """The ``training_step`` of :func:`recipe_one_optimizer`, its variations in the same places: ``before(module, x,
+    y)``, ``opt.zero_grad(set_to_none=...)``, ``self.manual_backward`` of ``loss(net, x, y)`` (the inf injected unless
+    not ``inject``) where ``backward_at(batch_idx)``, ``before_step(module, opt) -> bool`` (``False``: no step), the
+    step; ``raw``: on the torch optimizer itself (``use_pl_optimizer=False``)."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers(use_pl_optimizer=not raw)
+        x, y = batch
+        if before is not None:
+            before(self, x, y)
+        opt.zero_grad(set_to_none=set_to_none)
+        if backward_at(batch_idx):
+            loss_i = loss(self.net, x, y)
+            self.manual_backward(inject_inf(loss_i, batch_idx, self.inf_at) if inject else loss_i)
+        if before_step is None or before_step(self, opt):
+            opt.step()
+
+    return training_step
+
+
+manual_plain = manual_one_optimizer()
 
 
 def manual_clip(algorithm: str) -> Callable:
@@ -179,8 +197,7 @@ def manual_clip(algorithm: str) -> Callable:
         opt.zero_grad()
         loss = inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
         self.manual_backward(loss)
-        clip_val = CLIP_NORM if algorithm == "norm" else CLIP_VALUE
-        norm = self.clip_gradients(opt, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+        norm = self.clip_gradients(opt, **clip_args(algorithm))
         if algorithm == "norm":  # what it returns, as `clip_reference` records torch's (stock returns None)
             self.records.append(("norm", None if norm is None else norm.item()))
         opt.step()
@@ -231,16 +248,14 @@ def manual_gan_step(between: Optional[Callable] = None, plain_g_backward: bool =
         real, noise = batch
         net = self.net
         fake = net.gen(noise)
-        loss_d = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))
-        loss_d = inject_inf(loss_d, batch_idx, self.inf_at)
+        loss_d = inject_inf(net.d_loss(real, fake), batch_idx, self.inf_at)
         opt_d.zero_grad()
         self.manual_backward(loss_d)
         opt_d.step()
         opt_d.zero_grad()
         if between is not None:
             between(self, batch_idx)
-        loss_g = F.mse_loss(net.disc(fake), torch.ones(4, 1))  # through the updated discriminator
-        loss_g = inject_inf(loss_g, batch_idx, self.late_inf_at)
+        loss_g = inject_inf(net.g_loss(fake), batch_idx, self.late_inf_at)  # through the updated discriminator
         opt_g.zero_grad()
         if plain_g_backward:
             self.mark()

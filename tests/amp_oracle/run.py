@@ -1,11 +1,8 @@
-"""What a run did, the one comparison, and the hand-written recipe's side of every comparison.
-
-Every driver of the oracle (the recipe loop below, the Trainer, Fabric, DDP's rank 0, a run on a device) returns a
-:class:`Run`; :func:`differences` compares two of them and :func:`assert_same_run` fails with what differs. A test
-trains through Lightning and through :class:`RecipeRun`, PyTorch's AMP recipe written by hand ("Automatic Mixed
-Precision examples" in the torch docs: autocast around the forward and the loss only,
+"""What a run did (:class:`Run`, whichever driver trained it), the one comparison (:func:`differences`,
+:func:`assert_same_run`), and the hand-written recipe's side of every comparison (:class:`RecipeRun`): PyTorch's AMP
+recipe of the torch docs' "Automatic Mixed Precision examples": autocast around the forward and the loss only,
 ``scaler.scale(loss).backward()`` outside it, ``scaler.unscale_(opt)`` before anything reads the gradients,
-``scaler.step(opt)`` for every optimizer, ``scaler.update()`` after the last step of an iteration), and compares.
+``scaler.step(opt)`` for every optimizer, ``scaler.update()`` after the last step of an iteration.
 """
 
 from __future__ import annotations
@@ -203,7 +200,8 @@ class RecipeRun:
         #: ``range(start, stop)`` (a resumed run starts later, a short one stops earlier)
         self.data = trainer_batches() if data is None else data
         self.start, self.stop = 0, len(self.data)
-        #: with optimizers here, :meth:`batches` records ``changed`` per optimizer (a tuple per batch)
+        #: with optimizers here, :meth:`batches` records ``changed`` per optimizer (a tuple per batch) and the result
+        #: ``skipped``: the optimizer's parameters did not change
         self.tracked: list[torch.optim.Optimizer] = []
 
     def save_point(self, batch_idx: int, optimizers: list) -> None:
@@ -238,4 +236,5 @@ class RecipeRun:
             scales=self.scales if uses_scaler(self.precision) else None,
             changed=self.changed,
             records=[r.cpu() if isinstance(r, torch.Tensor) else r for r in self.records],
+            skipped=[tuple(not c for c in row) for row in self.changed] if self.tracked else None,
         )

@@ -1,34 +1,18 @@
 """The scenario table: mixed-precision usage patterns run through PyTorch's AMP recipe, the fork and stock 2.6.6.
 
-Each :class:`Scenario` is one thing a user does in a ``LightningModule`` (mostly in manual optimization), written twice:
+A :class:`Scenario` is one thing a user does in a ``LightningModule``, written twice: ``step``, the ``training_step``
+body ``(module, batch, batch_idx)``, and ``recipe``, the same training as a hand-written AMP loop ``(RecipeRun,
+optimizers)`` (:mod:`amp_oracle.loops`). :func:`lightning_outcome` trains it through the Trainer of a package and
+returns the run, or the exception and whether the weights and optimizer states were those of the last ``mark()`` (the
+batch's start); :func:`recipe_outcome` trains the recipe; :func:`assert_outcome` judges a run by what the scenario
+expects: :data:`EQUAL`, :class:`Raises`, :class:`EqualOrRaises` (the fork may refuse a pattern or support it, never
+train silently wrong), and for stock :class:`Differs` (the negative control), :data:`NO_ERROR` or :data:`MISSING`.
 
-* ``step``: the ``training_step`` body, ``(module, batch, batch_idx)``, as the user writes it for Lightning; and
-* ``recipe``: the same training as a hand-written PyTorch AMP loop, ``(RecipeRun, optimizers)``
-  (:mod:`amp_oracle.loops`).
-
-:func:`lightning_outcome` trains it through the Trainer of a package (the fork :data:`FORK` or stock :data:`STOCK`) and
-returns what happened: the run (parameters, scale trajectory, skipped steps, what the step recorded) or the exception,
-and whether the weights and optimizer states were left as they were at the last :meth:`mark` (the start of the batch,
-unless the step marks later). :func:`recipe_outcome` trains the recipe. What a scenario expects is one of:
-
-* :data:`EQUAL`: the Lightning run is the recipe's (:func:`amp_oracle.run.assert_same_run`, records included);
-* :class:`Raises`: a clear error of the given type, whose message matches, that left weights and optimizer states
-  unchanged (``before_training``: raised before any ``training_step`` ran);
-* :class:`EqualOrRaises`: either of the two (the fork may refuse the pattern or support it, as long as it is not silent
-  and wrong);
-* for stock only: :class:`Differs` (the negative control: stock does not follow the recipe, the comparison's message
-  matches ``what``), :data:`NO_ERROR` (trains without an error where the fork must raise: there is no recipe to compare
-  with, torch itself would train silently wrong or the recipe raises) and :data:`MISSING` (stock has no such feature).
-
-All data are a function of ``batch_idx`` (the loader yields positions only) so that a run resumed mid-epoch trains on
-the same batches as the uninterrupted one (Lightning restarts a non-resumable loader while ``batch_idx`` continues; see
-``tests_pytorch/checkpointing/test_amp_resume.py``).
-
-Loss scales are powers of two and ``growth_interval=1``; under 16-mixed an ``inf`` is injected into batch 2 (and a
-second one into a later loss of batch 5 where a step has several losses). fp16 matmuls are slow on CPU: everything is
-tiny (an 8-16-4 MLP, 8 batches of 4).
+The data are a function of ``batch_idx`` (the loader yields positions) so that a run resumed mid-epoch trains on the
+uninterrupted run's batches (Lightning restarts a non-resumable loader while ``batch_idx`` continues).
 """
 
+import contextlib
 import copy
 import functools
 import math
@@ -43,11 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_oracle.loops import (
+    auto_plain,
     manual_clip,
     manual_closure,
     manual_gan,
     manual_gan_step,
     manual_multi_step,
+    manual_one_optimizer,
     manual_two_optimizers,
     recipe_accumulate,
     recipe_clip,
@@ -71,6 +57,7 @@ from amp_oracle.world import (
     PRECISIONS,
     TRAINER_BATCHES,
     Positions,
+    clip_args,
     gan_optimizers,
     inject_inf,
     make_optimizer,
@@ -79,6 +66,8 @@ from amp_oracle.world import (
     new_scaler,
     one_optimizer,
     optimizer_params,
+    same,
+    snapshot,
     trainable,
     trainer_batches,
     two_optimizers,
@@ -191,7 +180,9 @@ class Scenario:
         return [f"{self.name}:{precision}" for precision in self.precisions]
 
 
-def save_and_resume(where: str, about: str, *, stock: Any, resume_stock: Any, **kwargs: Any) -> tuple[Scenario, ...]:
+def save_and_resume(
+    where: str, about: str, *, stock: Any = EQUAL, resume_stock: Any, **kwargs: Any
+) -> tuple[Scenario, ...]:
     """The pair ``checkpoint_<where>`` (saves a checkpoint during batch :data:`SAVE_AT` and must train on as the
     recipe does) and ``resume_from_checkpoint_<where>`` (resumes from that checkpoint and must continue as the recipe
     restored from its snapshot of the same moment, from batch :data:`RESUME_START`), under 16-mixed."""
@@ -211,19 +202,6 @@ def _optimizer_states(optimizers: list) -> list:
     return [copy.deepcopy(opt.state_dict()["state"]) for opt in optimizers]
 
 
-def _same_states(a: list, b: list) -> bool:
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and torch.equal(x, y)
-        if isinstance(x, dict):
-            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-        if isinstance(x, (list, tuple)):
-            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
-        return x == y
-
-    return same(a, b)
-
-
 @dataclass
 class Outcome:
     run: Optional[Run] = None
@@ -235,14 +213,9 @@ class Outcome:
 
 
 class ScenarioRecipe(RecipeRun):
-    """The recipe run of a scenario (:class:`RecipeRun` with its autocast cache, initial scale and batches) that
-    snapshots its state at the save point and can be restored from one; a resumed run records the batches it trains
-    (as the Lightning side does), to show it continues where Lightning's loop does.
-
-    The autocast cache is the fork's policy: on where torch makes it safe in automatic optimization, off in manual
-    optimization. It matters where a weight is used twice in one autocast region (the GAN's discriminator on real and
-    fake samples): cast once with the cache, its two low-precision gradients are summed before the cast back, twice
-    without it and summed in fp32."""
+    """A scenario's :class:`RecipeRun` (the fork's autocast cache policy: on in automatic optimization where torch makes
+    it safe, off in manual) that snapshots its state at the save point and can be restored from one; a resumed run
+    records the batches it trains, as the Lightning side does."""
 
     def __init__(self, scenario: Scenario, precision: str) -> None:
         cache = AUTOCAST_CACHE and scenario.automatic
@@ -305,7 +278,7 @@ def module_class(package: str) -> type:
             self.precision_name = precision
             self.steps = 0
             self.checkpoint_path: Optional[Path] = None
-            self._mark: tuple = ([p.detach().clone() for p in self.net.parameters()], None)
+            self._mark: tuple = (snapshot(self.net.parameters()), None)
 
         @property
         def scaler(self) -> Optional[Any]:
@@ -319,13 +292,17 @@ def module_class(package: str) -> type:
 
         def mark(self) -> None:
             optimizers = self.trainer.optimizers if self._trainer is not None else []
-            self._mark = ([p.detach().clone() for p in self.net.parameters()], _optimizer_states(optimizers))
+            self._mark = (snapshot(self.net.parameters()), _optimizer_states(optimizers))
 
         def unchanged_since_mark(self) -> bool:
             params, states = self._mark
-            if any(not torch.equal(a, p) for a, p in zip(params, self.net.parameters())):
-                return False
-            return states is None or _same_states(states, _optimizer_states(self.trainer.optimizers))
+            return same(params, snapshot(self.net.parameters())) and (
+                states is None or same(states, _optimizer_states(self.trainer.optimizers))
+            )
+
+        def autocast(self) -> contextlib.AbstractContextManager:
+            """The pieces both sides share open ``side.autocast()``: Lightning's is around the step already."""
+            return contextlib.nullcontext()
 
         def configure_optimizers(self):
             if self.scenario.schedulers is None:
@@ -391,15 +368,7 @@ def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
     except Exception as err:  # the outcome is judged by the test
         unchanged = module.unchanged_since_mark() if module._trainer is not None else None
         return Outcome(error=err, unchanged=unchanged, steps=module.steps)
-    return Outcome(
-        run=Run(
-            params={n: p.detach().clone() for n, p in module.net.named_parameters()},
-            scales=None if all(s is None for s in recorder.scales) else recorder.scales,
-            changed=recorder.changed,
-            records=module.records,
-        ),
-        steps=module.steps,
-    )
+    return Outcome(run=recorder.run(module.net, module.records), steps=module.steps)
 
 
 def _describe(outcome: Outcome) -> str:
@@ -610,20 +579,11 @@ def recipe_epoch_end_step(rc: RecipeRun, opts: list) -> None:
 OVERFLOWING_SCALE = 2.0**20
 
 
-def guard_step(set_to_none: bool) -> Callable:
-    def training_step(self, batch, batch_idx):
-        # clip, then skip the step on non-finite gradients (a common user guard)
-        opt = self.optimizers()
-        x, y = batch
-        opt.zero_grad(set_to_none=set_to_none)
-        self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
-        finite = grads_finite(opt)
-        self.records.append(finite)
-        if finite:
-            opt.step()
-
-    return training_step
+def clip_and_guard_lightning(self, opt: Any) -> bool:
+    # clip, then skip the step on non-finite gradients (a common user guard)
+    self.clip_gradients(opt, **clip_args("norm"))
+    self.records.append(grads_finite(opt))
+    return self.records[-1]
 
 
 def clip_and_guard(rc: RecipeRun, opt: torch.optim.Optimizer) -> bool:
@@ -634,17 +594,9 @@ def clip_and_guard(rc: RecipeRun, opt: torch.optim.Optimizer) -> bool:
     return rc.records[-1]
 
 
-#: the batch without backward (its loss does not apply) whose step still runs on the zeroed gradients
-NO_BACKWARD_AT = 3
-
-
-def step_on_zeroed_grads(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-    opt.zero_grad(set_to_none=False)
-    if batch_idx != NO_BACKWARD_AT:
-        self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-    opt.step()  # momentum moves the weights on zero gradients too
+def has_backward(batch_idx: int) -> bool:
+    """All but batch 3, whose step still runs on the zeroed gradients (momentum moves the weights on zeros too)."""
+    return batch_idx != 3
 
 
 def clip_b_every_batch_step_every_second(self, batch, batch_idx):
@@ -652,7 +604,7 @@ def clip_b_every_batch_step_every_second(self, batch, batch_idx):
     x, y = batch
     opt_a.zero_grad()
     self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-    self.clip_gradients(opt_b, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+    self.clip_gradients(opt_b, **clip_args("norm"))
     opt_a.step()
     if batch_idx % 2 == 1:
         opt_b.step()
@@ -742,14 +694,6 @@ def recipe_main_and_aux(rc: RecipeRun, opts: list) -> None:
         rc.scaler.update()
 
 
-def raw_optimizer_step(self, batch, batch_idx):
-    opt = self.optimizers(use_pl_optimizer=False)
-    x, y = batch
-    opt.zero_grad()
-    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-    opt.step()
-
-
 def gradient_penalty_step(self, batch, batch_idx):
     # torch's "gradient penalty" AMP example, in a LightningModule
     opt = self.optimizers()
@@ -779,78 +723,41 @@ def recipe_gradient_penalty(rc: RecipeRun, opts: list) -> None:
         rc.scaler.update()
 
 
-def manual_plain_recording(self, batch, batch_idx):
-    opt = self.optimizers()
-    x, y = batch
-    opt.zero_grad()
-    self.manual_backward(mlp_loss(self.net, x, y))
-    opt.step()
+# The ``before`` pieces below run on either side (``side``: the RecipeRun or the module, each with ``net``,
+# ``autocast()`` and ``records``), between ``recipe_one_optimizer``'s or ``manual_one_optimizer``'s steps.
 
 
-def reptile_step(self, batch, batch_idx):
+def reptile_inner_update(side: Any, x: torch.Tensor, y: torch.Tensor) -> None:
     # an inner SGD step written in place between two forwards (first-order meta-learning)
-    opt = self.optimizers()
-    x, y = batch
-    params = trainable(self.net)
-    inner_update(params, torch.autograd.grad(mlp_loss(self.net, x[:2], y[:2]), params))
-    opt.zero_grad()
-    self.manual_backward(inject_inf(mlp_loss(self.net, x[2:], y[2:]), batch_idx, self.inf_at))
-    opt.step()
-
-
-def reptile_inner_update(rc: RecipeRun, x: torch.Tensor, y: torch.Tensor) -> None:
-    params = trainable(rc.net)
-    with rc.autocast():
-        inner = mlp_loss(rc.net, x[:2], y[:2])
+    params = trainable(side.net)
+    with side.autocast():
+        inner = mlp_loss(side.net, x[:2], y[:2])
     inner_update(params, torch.autograd.grad(inner, params))
 
 
-def clamp_step(self, batch, batch_idx):
+def second_half_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return mlp_loss(net, x[2:], y[2:])
+
+
+def forward_then_clamp(side: Any, x: torch.Tensor, y: torch.Tensor) -> None:
     # a no_grad forward (a metric), the weights clamped in place (a constraint), then the training forward
-    opt = self.optimizers()
-    x, y = batch
-    with torch.no_grad():
-        self.net(x)
-    self.records.append(clamp_weights(trainable(self.net)))
-    opt.zero_grad()
-    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-    opt.step()
+    with side.autocast(), torch.no_grad():
+        side.net(x)
+    side.records.append(clamp_weights(trainable(side.net)))
 
 
-def forward_then_clamp(rc: RecipeRun, x: torch.Tensor, y: torch.Tensor) -> None:
-    with rc.autocast(), torch.no_grad():
-        rc.net(x)
-    rc.records.append(clamp_weights(trainable(rc.net)))
+def sam_perturb(side: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    # SAM with autograd.grad: perturb the weights in place, forward and backward there (the step), restore, step
+    params = trainable(side.net)
+    with side.autocast():
+        first = mlp_loss(side.net, x, y)
+    side.sam_eps = sam_perturbation(torch.autograd.grad(first, params))
+    shift(params, side.sam_eps, +1.0)
 
 
-def sam_step(self, batch, batch_idx):
-    # SAM with autograd.grad: perturb the weights in place, forward and backward there, restore, step
-    opt = self.optimizers()
-    x, y = batch
-    params = trainable(self.net)
-    eps = sam_perturbation(torch.autograd.grad(mlp_loss(self.net, x, y), params))
-    shift(params, eps, +1.0)
-    opt.zero_grad()
-    self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at))
-    shift(params, eps, -1.0)
-    opt.step()
-
-
-def recipe_sam(rc: RecipeRun, opts: list) -> None:
-    (opt,) = opts
-    params = trainable(rc.net)
-    for i, (x, y) in rc.batches():
-        with rc.autocast():
-            first = mlp_loss(rc.net, x, y)
-        eps = sam_perturbation(torch.autograd.grad(first, params))
-        shift(params, eps, +1.0)
-        opt.zero_grad()
-        with rc.autocast():
-            loss = rc.inject(mlp_loss(rc.net, x, y), i)
-        rc.scaler.scale(loss).backward()
-        shift(params, eps, -1.0)
-        rc.scaler.step(opt)
-        rc.scaler.update()
+def sam_restore(side: Any, opt: Any) -> bool:
+    shift(trainable(side.net), side.sam_eps, -1.0)
+    return True
 
 
 def loss_scale_monitor_trainer(api) -> dict:
@@ -865,11 +772,6 @@ def loss_scale_monitor_trainer(api) -> dict:
 def record_monitor_history(trainer, pl_module) -> None:
     (monitor,) = [c for c in trainer.callbacks if type(c).__name__ == "LossScaleMonitor"]
     pl_module.records.append(("logged", copy.deepcopy(monitor.history)))
-
-
-def auto_loss(self, batch, batch_idx):
-    x, y = batch
-    return inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at)
 
 
 def recipe_accumulate_clip(rc: RecipeRun, opts: list) -> None:
@@ -892,7 +794,7 @@ def accumulate_clip_step(self, batch, batch_idx):
     x, y = batch
     self.manual_backward(inject_inf(mlp_loss(self.net, x, y), batch_idx, self.inf_at) / 2)
     if batch_idx % 2 == 1:
-        self.clip_gradients(opt, gradient_clip_val=CLIP_NORM, gradient_clip_algorithm="norm")
+        self.clip_gradients(opt, **clip_args("norm"))
         opt.step()
         opt.zero_grad()
 
@@ -946,23 +848,20 @@ def _other_dtype(precision: str) -> torch.dtype:
     return torch.float16 if precision == "bf16-mixed" else torch.bfloat16
 
 
-def weight_in_two_dtypes(self, batch, batch_idx):
-    # a layer used inside a nested autocast region of the other low-precision dtype and again outside it
-    opt = self.optimizers()
-    x, y = batch
-    with torch.autocast("cpu", dtype=_other_dtype(self.precision_name)):
-        inner = self.net[0](x)
-    loss = F.mse_loss(self.net(x), y) + inner.float().mean()
-    opt.zero_grad()
-    self.manual_backward(loss)
-    opt.step()
-
-
 def weight_in_two_dtypes_automatic(self, batch, batch_idx):
+    # a layer used inside a nested autocast region of the other low-precision dtype and again outside it
     x, y = batch
     with torch.autocast("cpu", dtype=_other_dtype(self.precision_name)):
         inner = self.net[0](x)
     return F.mse_loss(self.net(x), y) + inner.float().mean()
+
+
+def weight_in_two_dtypes(self, batch, batch_idx):
+    opt = self.optimizers()
+    loss = weight_in_two_dtypes_automatic(self, batch, batch_idx)
+    opt.zero_grad()
+    self.manual_backward(loss)
+    opt.step()
 
 
 #: torch's message for a conv on a CPU input with CUDA weights (a device mismatch worded "should be the same"); this
@@ -1025,14 +924,13 @@ def gan_toggle_step(self, batch, batch_idx):
     net = self.net
     self.toggle_optimizer(opt_g)
     fake = net.gen(noise)
-    g_loss = inject_inf(F.mse_loss(net.disc(fake), torch.ones(4, 1)), batch_idx, self.inf_at)
+    g_loss = inject_inf(net.g_loss(fake), batch_idx, self.inf_at)
     self.manual_backward(g_loss)
     opt_g.step()
     opt_g.zero_grad()
     self.untoggle_optimizer(opt_g)
     self.toggle_optimizer(opt_d)
-    d_loss = (F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(net.disc(fake.detach()), torch.zeros(4, 1))) / 2
-    self.manual_backward(inject_inf(d_loss, batch_idx, self.late_inf_at))
+    self.manual_backward(inject_inf(net.d_loss(real, fake) / 2, batch_idx, self.late_inf_at))
     opt_d.step()
     opt_d.zero_grad()
     self.untoggle_optimizer(opt_d)
@@ -1046,7 +944,7 @@ def recipe_gan_toggle(rc: RecipeRun, opts: list) -> None:
         net.disc.requires_grad_(False)
         with rc.autocast():
             fake = net.gen(noise)
-            g_loss = rc.inject(F.mse_loss(net.disc(fake), torch.ones(4, 1)), i)
+            g_loss = rc.inject(net.g_loss(fake), i)
         rc.scaler.scale(g_loss).backward()
         rc.scaler.step(opt_g)
         rc.scaler.update()  # owed by G's step, before D's backward: nothing else waits for it
@@ -1054,10 +952,7 @@ def recipe_gan_toggle(rc: RecipeRun, opts: list) -> None:
         net.disc.requires_grad_(True)
         net.gen.requires_grad_(False)
         with rc.autocast():
-            d_loss = F.mse_loss(net.disc(real), torch.ones(4, 1)) + F.mse_loss(
-                net.disc(fake.detach()), torch.zeros(4, 1)
-            )
-            d_loss = rc.inject_late(d_loss / 2, i)
+            d_loss = rc.inject_late(net.d_loss(real, fake) / 2, i)
         rc.scaler.scale(d_loss).backward()
         rc.scaler.step(opt_d)
         opt_d.zero_grad()
@@ -1108,6 +1003,35 @@ _FUSED = Raises((RuntimeError,), r"(?i)fused", unchanged=False)
 
 def _scenarios() -> list[Scenario]:
     gan_between = manual_gan_step(between=lambda module, batch_idx: module.save_point(batch_idx))
+    guard = Scenario(
+        "guard_skips_step_on_nonfinite_grads",
+        "clip, find non-finite gradients, skip opt.step(): the scale must still back off",
+        manual_one_optimizer(before_step=clip_and_guard_lightning),
+        recipe_one_optimizer(before_step=clip_and_guard),
+        P16,
+        stock=Differs("scale trajectory"),
+        init_scale=OVERFLOWING_SCALE,
+        sharp=_skips_some_steps,
+    )
+    scaler_disabled = Scenario(
+        "scaler_disabled_by_the_user",
+        "MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
+        manual_one_optimizer(inject=False),
+        None,
+        P16,
+        _SCALER_FIRST,
+        NO_ERROR,
+        scaler=lambda: cpu_grad_scaler(enabled=False),
+    )
+    fused_manual = Scenario(
+        "fused_adamw_clip_manual",
+        "pattern: AdamW(fused=True) with clip_gradients in manual optimization",
+        manual_clip("norm"),
+        recipe_clip("norm"),
+        stock=_FUSED,
+        configure=fused_adamw,
+        records=False,
+    )
     return [
         # ---- usage patterns -----------------------------------------------------------------------------------
         *save_and_resume(
@@ -1115,7 +1039,6 @@ def _scenarios() -> list[Scenario]:
             "trainer.save_checkpoint mid-iteration must not change the live run",
             step=gan_between,
             recipe=recipe_gan,
-            stock=EQUAL,
             resume_stock=Differs("scale trajectory"),
             net=GAN,
             configure=_gan_sgd,
@@ -1139,31 +1062,19 @@ def _scenarios() -> list[Scenario]:
             batches=EPOCH_BATCHES,
             epochs=EPOCHS,
         ),
-        Scenario(
-            "guard_skips_step_on_nonfinite_grads",
-            "clip, find non-finite gradients, skip opt.step(): the scale must still back off",
-            guard_step(set_to_none=True),
-            recipe_one_optimizer(before_step=clip_and_guard),
-            P16,
-            stock=Differs("scale trajectory"),
-            init_scale=OVERFLOWING_SCALE,
-            sharp=_skips_some_steps,
-        ),
-        Scenario(
-            "guard_skips_step_zero_grad_keeps_zeros",
-            "the same guard with zero_grad(set_to_none=False)",
-            guard_step(set_to_none=False),
-            recipe_one_optimizer(set_to_none=False, before_step=clip_and_guard),
-            P16,
-            stock=Differs("scale trajectory"),
-            init_scale=OVERFLOWING_SCALE,
-            sharp=_skips_some_steps,
+        guard,
+        replace(
+            guard,
+            name="guard_skips_step_zero_grad_keeps_zeros",
+            about="the same guard with zero_grad(set_to_none=False)",
+            step=manual_one_optimizer(set_to_none=False, before_step=clip_and_guard_lightning),
+            recipe=recipe_one_optimizer(set_to_none=False, before_step=clip_and_guard),
         ),
         Scenario(
             "step_on_zeroed_grads_without_backward",
             "zero_grad(set_to_none=False), a batch without backward that still steps (momentum)",
-            step_on_zeroed_grads,
-            recipe_one_optimizer(set_to_none=False, backward_at=lambda batch_idx: batch_idx != NO_BACKWARD_AT),
+            manual_one_optimizer(set_to_none=False, backward_at=has_backward),
+            recipe_one_optimizer(set_to_none=False, backward_at=has_backward),
         ),
         Scenario(
             "two_optimizers_b_clipped_every_batch_stepped_every_second",
@@ -1207,7 +1118,7 @@ def _scenarios() -> list[Scenario]:
         Scenario(
             "raw_optimizer_step",
             "self.optimizers(use_pl_optimizer=False).step(): raise, or step like the recipe",
-            raw_optimizer_step,
+            manual_one_optimizer(raw=True),
             recipe_plain,
             expect={
                 "16-mixed": EqualOrRaises(Raises(CLEAR_ERRORS, r"use_pl_optimizer|LightningOptimizer")),
@@ -1223,60 +1134,43 @@ def _scenarios() -> list[Scenario]:
             recipe_gradient_penalty,
             PRECISIONS,
         ),
-        Scenario(
-            "scaler_disabled_by_the_user",
-            "MixedPrecision('16-mixed', scaler=GradScaler('cpu', enabled=False)): a clear error first",
-            manual_plain_recording,
-            None,
-            P16,
-            _SCALER_FIRST,
-            NO_ERROR,
-            scaler=lambda: cpu_grad_scaler(enabled=False),
-        ),
-        Scenario(
-            "scaler_disabled_by_the_user_automatic",
-            "the same in automatic optimization",
-            auto_loss,
-            None,
-            P16,
-            _SCALER_FIRST,
-            NO_ERROR,
+        scaler_disabled,
+        replace(
+            scaler_disabled,
+            name="scaler_disabled_by_the_user_automatic",
+            about="the same in automatic optimization",
+            step=auto_plain,
             automatic=True,
-            scaler=lambda: cpu_grad_scaler(enabled=False),
         ),
-        Scenario(
-            "cuda_scaler_on_cpu",
-            "GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
-            manual_plain_recording,
-            None,
-            P16,
-            _SCALER_FIRST,
-            NO_ERROR,
-            scaler=lambda: cuda_grad_scaler(),
+        replace(
+            scaler_disabled,
+            name="cuda_scaler_on_cpu",
+            about="GradScaler('cuda') on a CPU run (torch disables it): a clear error first",
+            scaler=cuda_grad_scaler,
         ),
         Scenario(
             "inplace_inner_update_between_forwards",
             "a Reptile-style inner step written in place between two forwards",
-            reptile_step,
-            recipe_one_optimizer(lambda net, x, y: mlp_loss(net, x[2:], y[2:]), before=reptile_inner_update),
+            manual_one_optimizer(second_half_loss, before=reptile_inner_update),
+            recipe_one_optimizer(second_half_loss, before=reptile_inner_update),
         ),
         Scenario(
             "inplace_clamp_between_forwards",
             "weights clamped in place after a no_grad forward, before the training forward",
-            clamp_step,
+            manual_one_optimizer(before=forward_then_clamp),
             recipe_one_optimizer(before=forward_then_clamp),
             sharp=_recorded_some,
         ),
         Scenario(
             "inplace_perturbation_between_forwards",
             "SAM written with autograd.grad: perturb in place, forward/backward, restore, step",
-            sam_step,
-            recipe_sam,
+            manual_one_optimizer(before=sam_perturb, before_step=sam_restore),
+            recipe_one_optimizer(before=sam_perturb, before_step=sam_restore),
         ),
         Scenario(
             "loss_scale_monitor_under_accumulation",
             "LossScaleMonitor logs once per optimizer step under gradient accumulation",
-            auto_loss,
+            auto_plain,
             recipe_monitored_accumulation,
             P16,
             stock=MISSING,
@@ -1402,31 +1296,20 @@ def _scenarios() -> list[Scenario]:
         Scenario(
             "automatic_accumulate_and_clip",
             "pattern: automatic optimization, accumulate_grad_batches=2, gradient_clip_val",
-            auto_loss,
+            auto_plain,
             recipe_accumulate_clip,
             PRECISIONS,
             automatic=True,
             trainer={"accumulate_grad_batches": 2, "gradient_clip_val": CLIP_NORM},
         ),
-        Scenario(
-            "fused_adamw_clip_manual",
-            "pattern: AdamW(fused=True) with clip_gradients in manual optimization",
-            manual_clip("norm"),
-            recipe_clip("norm"),
-            stock=_FUSED,
-            configure=fused_adamw,
-            records=False,
-        ),
-        Scenario(
-            "fused_adamw_clip_automatic",
-            "pattern: AdamW(fused=True) with gradient_clip_val in automatic optimization",
-            auto_loss,
-            recipe_clip("norm"),
-            stock=_FUSED,
-            configure=fused_adamw,
+        fused_manual,
+        replace(
+            fused_manual,
+            name="fused_adamw_clip_automatic",
+            about="pattern: AdamW(fused=True) with gradient_clip_val in automatic optimization",
+            step=auto_plain,
             automatic=True,
             trainer={"gradient_clip_val": CLIP_NORM},
-            records=False,
         ),
     ]
 

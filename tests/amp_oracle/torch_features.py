@@ -96,11 +96,6 @@ requires_cpu_fp16_autocast = pytest.mark.skipif(
 requires_cpu_sharded_grad_scaler = pytest.mark.skipif(
     TORCH < (2, 2), reason=f"ShardedGradScaler takes a device (CPU) from torch 2.2 ({_THIS_TORCH})"
 )
-requires_autocast_enabled_device = pytest.mark.skipif(
-    not AUTOCAST_ENABLED_TAKES_DEVICE,
-    reason=f"torch.is_autocast_enabled(device_type) needs torch >= 2.4 ({_THIS_TORCH})",
-)
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def requires_cpu_fused(*names: str) -> pytest.MarkDecorator:
@@ -112,15 +107,6 @@ def requires_cpu_fused(*names: str) -> pytest.MarkDecorator:
     )
 
 
-def cpu_precision_params(precisions: list[str]) -> list:
-    """``precisions`` for ``pytest.mark.parametrize``, with ``"16-mixed"`` skipped where this torch cannot run it on
-    CPU (32-true and bf16-mixed run on every torch)."""
-    return [pytest.param(p, marks=requires_cpu_16_mixed) if p == "16-mixed" else p for p in precisions]
-
-
-_CPU_16_MIXED_REASON = requires_cpu_16_mixed.kwargs["reason"]
-
-
 def cpu_grad_scaler(cls: type | None = None, **kwargs) -> torch.amp.GradScaler:
     """``cls("cpu", **kwargs)`` (``cls``: ``torch.amp.GradScaler`` or a subclass) for a test that trains 16-mixed on
     CPU; where this torch cannot, the calling test skips with the reason. A disabled scaler (``enabled=False``) works
@@ -129,7 +115,7 @@ def cpu_grad_scaler(cls: type | None = None, **kwargs) -> torch.amp.GradScaler:
     if kwargs.get("enabled", True) is False:
         return cls("cpu", **kwargs) if HAS_AMP_GRAD_SCALER else cls(**kwargs)
     if not CPU_16_MIXED:
-        pytest.skip(_CPU_16_MIXED_REASON)
+        pytest.skip(requires_cpu_16_mixed.kwargs["reason"])
     return cls("cpu", **kwargs)
 
 

@@ -31,7 +31,8 @@ from amp_oracle.world import (
     trainable,
 )
 
-#: loaded with ``weights_only=False``, a CUDA scaler on CPU...), none of it what the tests are about
+#: what the Trainer says about these tiny CPU runs (no workers, few batches, non-resumable loaders, checkpoints loaded
+#: with ``weights_only=False``, a CUDA scaler on CPU...), none of it what the tests are about
 TRAINER_CHATTER = (
     r".*(num_workers|does not have many workers|log_every_n_steps|dataloader is not resumable"
     r"|callbacks used to create the checkpoint|`weights_only` was not set|CUDA is not available"
@@ -45,9 +46,6 @@ def quiet_trainer():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=TRAINER_CHATTER)
         yield
-
-
-
 
 
 #: the fork under test
@@ -89,9 +87,8 @@ def lightning_api(package: str) -> SimpleNamespace:
 
     class RecipeModule(pl.LightningModule):
         """Holds ``net``; ``configure(net)`` builds the optimizers, ``step(module, batch, batch_idx)`` is the
-        ``training_step``; ``inf_at`` / ``late_inf_at`` the batches that must inject an inf into their first / a later
-        loss; ``amp_dtype`` the autocast dtype the Trainer
-        should use (``None``: none); ``records`` collects what the step saw."""
+        ``training_step``; ``inf_at`` / ``late_inf_at`` the batches that inject an inf into their first / a later loss;
+        ``amp_dtype`` the autocast dtype the Trainer should use (``None``: none); ``records`` what the step saw."""
 
         def __init__(
             self, net: nn.Module, configure: Callable, step: Callable, automatic: bool, precision: str
@@ -114,7 +111,8 @@ def lightning_api(package: str) -> SimpleNamespace:
             return self._step(self, batch, batch_idx)
 
     class Recorder(pl.Callback):
-        """Records the scaler's scale after every batch and whether the trainable parameters changed."""
+        """Records the scaler's scale after every batch and whether the trainable parameters changed; :meth:`run`
+        makes them a :class:`Run`."""
 
         def __init__(self) -> None:
             self.scales: list[Optional[float]] = []
@@ -128,6 +126,15 @@ def lightning_api(package: str) -> SimpleNamespace:
             self.changed.append(changed_since(self._before, trainable(pl_module)))
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.scales.append(None if scaler is None else scaler.get_scale())
+
+        def run(self, net: nn.Module, records: list = (), **fields: Any) -> Run:
+            return Run(
+                params={name: p.detach().cpu().clone() for name, p in net.named_parameters()},
+                scales=None if all(s is None for s in self.scales) else self.scales,
+                changed=self.changed,
+                records=[r.detach().cpu() if isinstance(r, torch.Tensor) else r for r in records],
+                **fields,
+            )
 
     return SimpleNamespace(
         fork=package == FORK,
@@ -203,11 +210,4 @@ def fit_lightning(
     loader = Batches() if loader is None else loader
     trainer.fit(module, train_dataloaders=loader)
     assert len(recorder.changed) == len(loader), "the trainer did not run every batch"
-    return Run(
-        params={name: p.detach().cpu().clone() for name, p in module.net.named_parameters()},
-        scales=None if all(s is None for s in recorder.scales) else recorder.scales,
-        changed=recorder.changed,
-        records=[r.detach().cpu() if isinstance(r, torch.Tensor) else r for r in module.records],
-    )
-
-
+    return recorder.run(module.net, module.records)

@@ -1,10 +1,5 @@
 """The tiny mixed-precision world every AMP test of both suites (``tests_fabric``, ``tests_pytorch``) trains in.
 
-A test trains the same tiny model on the same data twice, once through Lightning (the Trainer or Fabric) and once
-through PyTorch's AMP recipe written by hand, and compares the two bitwise. What both sides and both suites share is
-defined here, once: the sizes, the loss scales and clip values, the gradient scaler, the batches, the MLP, the ``inf``
-injection and the bitwise comparison of parameters.
-
 Design choices that make bugs unable to hide:
 
 * loss scales are powers of two (scaling and unscaling are then exact in fp32, so the two sides are bitwise
@@ -18,7 +13,6 @@ Design choices that make bugs unable to hide:
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from collections.abc import Collection
 from typing import Any, Optional, Union
@@ -47,6 +41,12 @@ INF_BATCH = 2
 #: clip values, small enough that every finite step of these runs clips (the recipes assert it)
 CLIP_NORM = 0.05
 CLIP_VALUE = 0.004
+
+
+def clip_args(algorithm: str) -> dict[str, Any]:
+    """Lightning's clipping arguments (``clip_gradients``'s, the Trainer's) for ``"norm"`` or ``"value"``."""
+    return {"gradient_clip_val": CLIP_NORM if algorithm == "norm" else CLIP_VALUE, "gradient_clip_algorithm": algorithm}
+
 
 _AUTOCAST_DTYPES = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -133,8 +133,19 @@ def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+def snapshot(params: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
+
+
+def same(x: Any, y: Any) -> bool:
+    """Tensors bitwise equal, containers (dicts, lists, tuples: optimizer states) recursively, anything else ``==``."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+    return x == y
 
 
 def changed_since(before: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
@@ -156,12 +167,6 @@ def params_differ(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         if not torch.equal(q, p):
             differ[name] = (q - p).abs().max().item()
     return differ
-
-
-def assert_params_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Every parameter of ``actual`` (Lightning's run) equals ``expected`` (the recipe's) bit for bit."""
-    differ = params_differ(actual, expected)
-    assert not differ, f"parameters differ from the recipe (max abs diff): {differ}"
 
 
 class ThroughScaler:
@@ -192,21 +197,13 @@ TRAINER_BATCHES = 8
 #: a second batch with an inf, for cases with several losses per batch: there the inf goes into a later loss
 LATE_INF_BATCH = 5
 
-#: Whether the recipe's autocast regions cache weight casts. PyTorch's default is on, and the fork turns the cache on
-#: where torch makes it safe (torch >= 2.11, pytorch#165068), off below. The setting is not numerically neutral: a
-#: weight used twice in one autocast region (the discriminator applied to real and fake samples) is cast once with the
-#: cache and its two low-precision gradients are summed before the cast back to fp32, but cast twice without it and
-#: the two gradients are summed in fp32. The recipe follows the fork's policy so that both sides round alike.
+#: whether the recipe's autocast regions cache weight casts: the fork's policy, on where torch makes it safe (torch >=
+#: 2.11, pytorch#165068); not numerically neutral (see :class:`~amp_oracle.run.RecipeRun`)
 AUTOCAST_CACHE = Version(torch.__version__).release >= (2, 11)
 
 
 def late_inf_batch(precision: str) -> Optional[int]:
     return LATE_INF_BATCH if uses_scaler(precision) else None
-
-
-#: what the Trainer says about these tiny CPU runs (no workers, few batches, non-resumable loaders, checkpoints
-
-
 
 
 def trainer_batches(n_batches: int = TRAINER_BATCHES, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -248,6 +245,13 @@ class GAN(nn.Module):
         torch.manual_seed(seed)
         self.gen = nn.Sequential(nn.Linear(OUT_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, IN_FEATURES))
         self.disc = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+    def d_loss(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        """Real samples are 1, generated ones (detached) 0."""
+        return F.mse_loss(self.disc(real), torch.ones(4, 1)) + F.mse_loss(self.disc(fake.detach()), torch.zeros(4, 1))
+
+    def g_loss(self, fake: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.disc(fake), torch.ones(4, 1))
 
 
 class TeacherStudent(nn.Module):
@@ -331,8 +335,6 @@ def trainable(net: nn.Module) -> list[torch.Tensor]:
     return [p for p in net.parameters() if p.requires_grad]
 
 
-
-
 def one_optimizer(net: nn.Module, name: str, fused: Optional[bool] = None) -> list[torch.optim.Optimizer]:
     return [make_optimizer(name, trainable(net), fused)]
 
@@ -358,7 +360,3 @@ def fresh_autocast_forward(net: nn.Sequential, x: torch.Tensor, dtype: Optional[
     ctx = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
     with ctx:
         return F.linear(F.relu(F.linear(x, w0, b0)), w1, b1)
-
-
-def clone_net(net: nn.Module) -> nn.Module:
-    return copy.deepcopy(net)
