@@ -11,4 +11,9 @@ recipe written by hand, and compares the two :class:`~amp_oracle.run.Run` s bit 
   :mod:`amp_oracle.fabric`, :mod:`amp_oracle.ddp` (two processes); :mod:`amp_oracle.fused` adds the fused optimizers'
   cells (gradients and optimizer state recorded, a tolerance where fused kernels round differently);
 * :mod:`amp_oracle.scenarios`: the scenario table (a user's loop, its recipe, and what each package must do).
+
+Its users: the behaviour tests, ``make gpu-check`` (``benchmarks/gpu_check_parts.py``), ``benchmarks/count_calls.py``
+and the demo (``examples/amp_demo.py``). The reproductions under ``upstream/issues/repro/`` and
+``upstream/rfcs/repro/`` stay standalone on purpose: Lightning's maintainers run them with nothing but a Lightning and
+a torch installed, against stock 2.6.6 and master, where this package does not exist.
 """
