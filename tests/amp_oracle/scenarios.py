@@ -44,7 +44,13 @@ from amp_oracle.loops import (
     recipe_two_optimizers,
 )
 from amp_oracle.run import RecipeRun, Run, assert_same_run
-from amp_oracle.torch_features import cpu_grad_scaler, cuda_grad_scaler, optimizer, require_cpu_fp16_autocast
+from amp_oracle.torch_features import (
+    cpu_grad_scaler,
+    cuda_grad_scaler,
+    optimizer,
+    require_cpu_16_mixed,
+    require_cpu_fp16_autocast,
+)
 from amp_oracle.trainer import lightning_api, make_trainer
 from amp_oracle.world import (
     AUTOCAST_CACHE,
@@ -337,6 +343,8 @@ def _checkpoint_path(package: str, name: str, precision: str) -> Path:
 @functools.cache
 def lightning_outcome(package: str, name: str, precision: str) -> Outcome:
     """Train scenario ``name`` through the Trainer of ``package``; the run, or the error and what it left behind."""
+    if precision == "16-mixed":
+        require_cpu_16_mixed()  # a user's own scaler (disabled, CUDA's) would not skip by itself, and autocast raises
     scenario = SCENARIOS[name]
     api = lightning_api(package)
     module = module_class(package)(scenario, precision)

@@ -143,6 +143,12 @@ def autocast_enabled(device_type: str) -> bool:
     return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
+def require_cpu_16_mixed() -> None:
+    """Skip the calling test where this torch cannot train 16-mixed on CPU at all (whatever scaler it is given)."""
+    if not CPU_16_MIXED:
+        pytest.skip(requires_cpu_16_mixed.kwargs["reason"])
+
+
 def require_cpu_fp16_autocast() -> None:
     """Skip the calling test where this torch has no fp16 autocast on CPU (a nested ``torch.float16`` region)."""
     if not CPU_FP16_AUTOCAST:
